@@ -1,0 +1,134 @@
+"""`python -m mlx_grpo train ...`: set a run up from its config and hand it to the loop.
+
+    python -m mlx_grpo train --recipe arithmetic --train.steps=30 --model.path=default
+    python -m mlx_grpo train --resume checkpoints/arithmetic-20261122-1130
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from mlx_grpo.checkpoint import CheckpointError, latest_step_dir
+from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
+from mlx_grpo.recipe import recipe_defaults
+
+USAGE = """\
+python -m mlx_grpo train [--recipe NAME|PATH] [--config FILE.toml] [--resume [RUN_DIR]]
+                         [--section.field=value ...]
+
+Sections: model, lora, rollout, grpo, optimizer, train, curriculum, recipe, output
+(see mlx_grpo/config.py for every field). Examples:
+  --train.steps=30 --grpo.num_generations=16 --model.path=path/to/mlx-model
+"""
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python -m mlx_grpo train", usage=USAGE)
+    p.add_argument("--recipe", default=None)
+    p.add_argument("--config", type=Path, default=None)
+    p.add_argument("--resume", nargs="?", const="", default=None)
+    return p.parse_known_args(argv)
+
+
+def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
+    """(config, run dir, checkpoint step folder to resume from or None)."""
+    args, rest = _parse(argv)
+    overrides = parse_overrides(rest)
+    if args.resume is not None:
+        run_dir = Path(args.resume) if args.resume else None
+        if run_dir is None:
+            out = overrides.get("output", {})
+            if not out.get("run"):
+                raise ConfigError("--resume: give the run folder, or --output.run=NAME")
+            run_dir = Path(out.get("dir", "checkpoints")) / out["run"]
+        saved = run_dir / "config.json"
+        if not saved.exists():
+            raise ConfigError(f"--resume: {saved} not found (not a run folder)")
+        step_dir = latest_step_dir(run_dir)
+        if step_dir is None:
+            raise CheckpointError(f"--resume: {run_dir} has no complete checkpoint yet")
+        base = json.loads(saved.read_text())
+        cfg = build_config(base, args.config, overrides, source="config")
+        return cfg, run_dir, step_dir
+
+    name = args.recipe or overrides.get("recipe", {}).get("name") or "arithmetic"
+    cfg = build_config(recipe_defaults(name), args.config, overrides, source="config")
+    run = cfg.output.run or f"{Path(cfg.recipe.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg.output.run = run
+    run_dir = Path(cfg.output.dir) / run
+    if latest_step_dir(run_dir) is not None:
+        raise ConfigError(
+            f"output.run: {run_dir} already holds a run; add --resume to continue it "
+            "or choose another --output.run"
+        )
+    return cfg, run_dir, None
+
+
+def cmd_train(argv: list[str]) -> int:
+    import mlx.core as mx
+
+    from mlx_grpo._blas import blas_in_use
+    from mlx_grpo.curriculum import make_curriculum
+    from mlx_grpo.log import Display
+    from mlx_grpo.models import adapter_config, apply_lora, load_model, trainable_count
+    from mlx_grpo.recipe import Recipe
+    from mlx_grpo.trainer import build_optimizer, train
+
+    cfg, run_dir, resume_from = resolve_config(argv)
+    mx.random.seed(cfg.train.seed)
+    recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
+    train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
+    curriculum = make_curriculum(cfg.curriculum, train_tasks, cfg.train.seed)
+
+    model, tokenizer = load_model(cfg.model)
+    apply_lora(model, cfg.lora, seed=cfg.train.seed)
+    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps * cfg.grpo.num_iterations)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+    adapter_cfg = adapter_config(cfg.lora, model, cfg.model.path)
+
+    display = Display(
+        cfg.train.steps, 0, cfg.output.live, f"{cfg.recipe.name} -> {run_dir}"
+    )
+    device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({blas_in_use()} BLAS)"
+    display.info(
+        f"model {cfg.model.path} on {device}; LoRA r={cfg.lora.rank} "
+        f"({trainable_count(model) / 1e6:.2f}M trainable); {len(train_tasks)} train tasks; "
+        f"B={cfg.train.batch_size} x G={cfg.grpo.num_generations}; run dir {run_dir}"
+        + (f"; resuming from {resume_from.name}" if resume_from else "")
+    )
+    with display:
+        try:
+            train(
+                model, tokenizer, optimizer, recipe, curriculum, cfg, run_dir, adapter_cfg,
+                resume_from=resume_from, callback=display.step, say=display.warn,
+            )
+        except KeyboardInterrupt:
+            display.info(f"interrupted; continue with: python -m mlx_grpo train --resume {run_dir}")
+            return 130
+    display.info(f"done: adapters in {run_dir} (mlx_lm.load(..., adapter_path='{run_dir}'))")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m mlx_grpo train ...\n\n" + USAGE)
+        sys.exit(0)
+    cmd, rest = argv[0], argv[1:]
+    if cmd != "train":
+        print(f"error: unknown command '{cmd}' (commands: train)", file=sys.stderr)
+        sys.exit(2)
+    from mlx_grpo.models import ModelLoadError
+    from mlx_grpo.trainer import TrainingError
+
+    try:
+        sys.exit(cmd_train(rest))
+    except (ConfigError, CheckpointError, ModelLoadError, TrainingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,292 @@
+"""Run configuration: typed sections, recipe defaults, command-line overrides.
+
+Precedence, lowest first: the field defaults below, the recipe's `recipe.toml`, an
+optional `--config FILE.toml`, then `--section.field=value` flags. Every mistake is
+reported as one line naming the field, e.g.
+`config: grpo.loss_type: Input should be 'grpo', 'dr_grpo' or 'dapo' (got 'ppo')`.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config value or file; the message is one line that names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        "default",
+        description="'default' (embedded SmolLM2-135M-Instruct), a local MLX model folder, "
+        "or a Hugging Face repo id.",
+    )
+    dequantize: Literal["auto", "yes", "no"] = Field(
+        "auto",
+        description="Quantized matmuls are ~10x slower than float32 on MLX's CPU backend "
+        "and the fast path on GPUs: 'auto' dequantizes on CPU only.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights dtype. 'auto': float32 on CPU (bf16/fp16 are slow there), the "
+        "checkpoint's own dtype on a GPU.",
+    )
+
+
+class LoRAConfig(_Section):
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    scale: float = Field(
+        20.0, gt=0, description="mlx_lm's LoRA scale (PEFT's lora_alpha / r)."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1)
+    num_layers: int = Field(
+        -1, description="Adapt the last N transformer blocks; -1 adapts all of them."
+    )
+    keys: list[str] | None = Field(
+        None,
+        description="Module paths inside a block to adapt (e.g. ['self_attn.q_proj', "
+        "'self_attn.v_proj']); None adapts every linear layer.",
+    )
+
+
+class RolloutConfig(_Section):
+    max_new_tokens: int = Field(64, ge=1, description="Completion length limit.")
+    max_prompt_tokens: int = Field(
+        1024,
+        ge=8,
+        description="Longer prompts are cut from the left, keeping the generation prompt.",
+    )
+    temperature: float = Field(0.8, gt=0, description="Sampling temperature (> 0 for RL).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    min_p: float = Field(0.0, ge=0, lt=1, description="Min-p sampling; 0 disables it.")
+
+
+class GRPOConfig(_Section):
+    num_generations: int = Field(
+        8, ge=2, description="G: completions per prompt; advantages are relative to the group."
+    )
+    beta: float = Field(
+        0.04,
+        ge=0,
+        description="KL(policy || reference) coefficient, k3 estimator; 0 skips the "
+        "reference forward pass.",
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio.")
+    epsilon_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip range (DAPO's clip-higher); None uses epsilon.",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="Updates per rollout batch. 1 is policy gradient with a group baseline "
+        "(the ratio is 1); >1 reuses samples and makes the clipping matter.",
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="'grpo': mean over sequences of each sequence's token mean (favours "
+        "short correct and long wrong answers); 'dr_grpo': token sum / (N * "
+        "max_new_tokens), length-unbiased; 'dapo': token mean over the whole batch.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide advantages by the group's std ('group', paper GRPO), the "
+        "batch's std ('batch'), or not at all ('none', Dr. GRPO: group-std scaling "
+        "up-weights groups that are nearly all right or all wrong).",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Leave completions that hit max_new_tokens out of the loss (DAPO): "
+        "their reward judges an unfinished answer.",
+    )
+    logits_chunk: int = Field(
+        1 << 24,
+        ge=1 << 16,
+        description="Compute log-probs in row chunks so no logits tensor exceeds this "
+        "many floats; chunks are recomputed in the backward pass.",
+    )
+
+
+class OptimizerConfig(_Section):
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0.")
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global-norm gradient clipping.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(2, ge=1, description="B: prompts per step (B*G completions).")
+    seed: int = 0
+    sample_every: int = Field(10, ge=0, description="Write sample completions every N steps.")
+    max_nonfinite_steps: int = Field(
+        5, ge=1, description="Stop after this many non-finite updates in a row."
+    )
+    zero_signal_warn_steps: int = Field(
+        5, ge=1, description="Warn when every group had equal rewards this many steps running."
+    )
+
+
+class CurriculumConfig(_Section):
+    strategy: Literal["uniform"] = "uniform"
+    levels: list[int] | None = Field(None, description="Train only on these levels.")
+
+
+class RecipeConfig(_Section):
+    name: str = Field("arithmetic", description="A folder under recipes/, or a path.")
+    weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Reward component -> weight; the reward is the weighted sum.",
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the recipe's task generator."
+    )
+    train_size: int = Field(2000, ge=1)
+    eval_size: int = Field(200, ge=1)
+
+
+class OutputConfig(_Section):
+    dir: str = Field("checkpoints", description="Runs are written to <dir>/<run>/.")
+    run: str | None = Field(None, description="Run name; default <recipe>-<timestamp>.")
+    save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
+    keep_last: int = Field(3, ge=1, description="Step-numbered checkpoints to keep.")
+    live: Literal["auto", "yes", "no"] = Field(
+        "auto", description="Rich live display; 'auto' only on a terminal."
+    )
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    recipe: RecipeConfig = Field(default_factory=RecipeConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.optimizer.warmup_steps >= self.train.steps and self.train.steps > 1:
+            raise ValueError(
+                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below "
+                f"train.steps ({self.train.steps})"
+            )
+        if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
+            raise ValueError("grpo.epsilon_high must be >= grpo.epsilon (it widens the upper clip)")
+        return self
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    field = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        section, _, name = field.rpartition(".")
+        known = _known_fields(section)
+        msg = f"unknown field '{field}'" + (f" (known: {', '.join(known)})" if known else "")
+    elif field:
+        msg = f"{field}: {e['msg']} (got {e.get('input')!r})"
+    else:
+        msg = e["msg"].removeprefix("Value error, ")
+    more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
+    return f"{source}: {msg}{more}"
+
+
+def _known_fields(section: str) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for part in filter(None, section.split(".")):
+        ann = model.model_fields.get(part)
+        if ann is None or not isinstance(ann.annotation, type):
+            return []
+        model = ann.annotation
+    return list(model.model_fields)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("weights", "params"):
+            out[k] = _merge(out[k], v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    """`16` -> 16, `0.5` -> 0.5, `true` -> True, `[1,2]` -> [1, 2], `none` -> None, else str."""
+    low = text.strip().lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`['--grpo.beta=0', '--train.steps', '30']` -> {'grpo': {'beta': 0}, 'train': {...}}."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"command line: expected --section.field=value, got '{arg}'")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"command line: --{key} needs a value")
+            i += 1
+            value = args[i]
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = _parse_value(value)
+        i += 1
+    return out
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def build_config(
+    recipe_defaults: dict | None = None,
+    config_file: Path | None = None,
+    overrides: dict | None = None,
+    *,
+    source: str = "config",
+) -> RunConfig:
+    """Merge the layers and validate once; raises ConfigError with a one-line message."""
+    data: dict = {}
+    for layer in (recipe_defaults, read_toml(config_file) if config_file else None, overrides):
+        if layer:
+            data = _merge(data, layer)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None

@@ -1,0 +1,129 @@
+"""metrics.jsonl, samples.jsonl and what a person watches: a rich live panel on a
+terminal, one line per step elsewhere (CI logs, pipes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+KEY_METRICS = (
+    "reward/mean",
+    "reward/std",
+    "groups/zero_variance_frac",
+    "kl",
+    "loss/total",
+    "entropy",
+    "grad_norm",
+    "completion/len_mean",
+    "rollout/tokens_per_s",
+    "time/rollout_s",
+    "time/update_s",
+)
+
+
+def truncate_jsonl(path: Path, max_step: int) -> None:
+    """Drop records after `max_step` (steps a killed run logged but never saved)."""
+    if not path.exists():
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= max_step
+    ]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class JsonlWriter:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Display:
+    """Live progress + key figures + reward components; plain lines when not a tty."""
+
+    def __init__(self, total_steps: int, start_step: int, live: str, title: str):
+        self.console = Console(stderr=False)
+        self.live_on = live == "yes" or (live == "auto" and sys.stdout.isatty())
+        self.total = total_steps
+        self.title = title
+        self.history: list[float] = []
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("step {task.fields[secs]:.1f}s"),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self.task = self.progress.add_task(title, total=total_steps, completed=start_step, secs=0.0)
+        self.live: Live | None = None
+        self._t = time.perf_counter()
+
+    def __enter__(self):
+        if self.live_on:
+            self.live = Live(self._render({}), console=self.console, refresh_per_second=4)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def _render(self, m: dict):
+        table = Table(show_header=True, header_style="bold", expand=False)
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for k in KEY_METRICS:
+            if k in m:
+                table.add_row(k, f"{m[k]:.4g}")
+        for k in sorted(m):
+            if k.startswith("reward/") and k not in KEY_METRICS:
+                table.add_row(k, f"{m[k]:.4g}")
+        spark = _sparkline(self.history[-40:])
+        return Group(self.progress, table, f"reward  {spark}") if m else Group(self.progress)
+
+    def step(self, step: int, metrics: dict) -> None:
+        self.history.append(metrics.get("reward/mean", 0.0))
+        secs = time.perf_counter() - self._t
+        self._t = time.perf_counter()
+        self.progress.update(self.task, completed=step, secs=secs)
+        if self.live is not None:
+            self.live.update(self._render(metrics))
+        else:
+            parts = [f"step {step}/{self.total}"] + [
+                f"{k}={metrics[k]:.4g}" for k in KEY_METRICS if k in metrics
+            ]
+            comps = [
+                f"{k}={v:.3g}"
+                for k, v in sorted(metrics.items())
+                if k.startswith("reward/") and k not in KEY_METRICS
+            ]
+            self.console.print(" ".join(parts + comps), highlight=False, soft_wrap=True)
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {text}", highlight=False)
+
+    def info(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+
+def _sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    bars = "▁▂▃▄▅▆▇█"
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(bars[int((v - lo) / span * (len(bars) - 1))] for v in values) + (
+        f"  {lo:.3g}..{hi:.3g}"
+    )

@@ -1,0 +1,286 @@
+"""The GRPO loop: sample tasks, roll out groups, score, update the adapters, log, save."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_grpo.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from mlx_grpo.config import OptimizerConfig, RunConfig
+from mlx_grpo.curriculum import UniformCurriculum
+from mlx_grpo.grpo import (
+    LossInputs,
+    completion_logprobs,
+    group_advantages,
+    grpo_loss,
+    zero_variance_groups,
+)
+from mlx_grpo.log import JsonlWriter, truncate_jsonl
+from mlx_grpo.models import adapters_disabled
+from mlx_grpo.recipe import Recipe, Scored, Task
+from mlx_grpo.rollout import Rollout, encode_prompt, generate_groups, make_rollout_sampler
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite updates in a row)."""
+
+
+def build_optimizer(cfg: OptimizerConfig, total_updates: int) -> optim.AdamW:
+    """AdamW with linear warm-up then cosine decay (or constant)."""
+    lr = cfg.learning_rate
+    decay_steps = max(1, total_updates - cfg.warmup_steps)
+    main = (
+        optim.cosine_decay(lr, decay_steps, end=lr * cfg.min_lr_ratio)
+        if cfg.schedule == "cosine"
+        else (lambda _: mx.array(lr))
+    )
+    if cfg.warmup_steps:
+        # Starts above 0 so that the first update already moves the adapters.
+        warm = optim.linear_schedule(lr / (cfg.warmup_steps + 1), lr, cfg.warmup_steps)
+        schedule = optim.join_schedules([warm, main], [cfg.warmup_steps])
+    else:
+        schedule = main
+    return optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
+
+
+def build_loss_inputs(
+    rollout: Rollout,
+    advantages: mx.array,
+    max_new_tokens: int,
+    mask_truncated: bool,
+) -> LossInputs:
+    """Right-padded [N, T] token matrix and the [N, C] completion mask."""
+    comps = rollout.completions
+    rows = [rollout.prompts[c.prompt_index] + c.tokens for c in comps]
+    t = max(len(r) for r in rows)
+    c_max = max(len(c.tokens) for c in comps)
+    tokens = np.zeros((len(rows), t), dtype=np.int32)
+    mask = np.zeros((len(rows), c_max), dtype=np.float32)
+    for i, (row, c) in enumerate(zip(rows, comps)):
+        tokens[i, : len(row)] = row
+        if not (mask_truncated and c.truncated):
+            mask[i, : len(c.tokens)] = 1.0
+    return LossInputs(
+        tokens=mx.array(tokens),
+        prompt_lens=mx.array([len(rollout.prompts[c.prompt_index]) for c in comps]),
+        mask=mx.array(mask),
+        advantages=advantages,
+        old_logprobs=None,
+        ref_logprobs=None,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+@dataclass
+class Counters:
+    """Run-level counters, checkpointed with the run."""
+
+    nonfinite_skipped: int = 0
+    nonfinite_streak: int = 0
+    zero_signal_streak: int = 0
+    reward_errors: int = 0
+    warned: list[str] = field(default_factory=list)
+
+
+def _zero_signal_cause(rewards: np.ndarray, truncated: np.ndarray, lo: float, hi: float) -> str:
+    if truncated.all():
+        return "every completion hit rollout.max_new_tokens (raise it)"
+    if np.allclose(rewards, hi):
+        return "every completion got the best reward seen (tasks too easy: raise the level)"
+    if np.allclose(rewards, lo) and lo <= 0:
+        return "every completion failed (tasks too hard, or the reward never fires)"
+    return "rewards are equal within each group (check the reward's granularity)"
+
+
+def train(
+    model: nn.Module,
+    tokenizer,
+    optimizer: optim.Optimizer,
+    recipe: Recipe,
+    curriculum: UniformCurriculum,
+    cfg: RunConfig,
+    run_dir: Path,
+    adapter_cfg: dict,
+    resume_from: Path | None = None,
+    callback: Callable[[int, dict], None] | None = None,
+    say: Callable[[str], None] = print,
+) -> list[dict]:
+    """Run GRPO from step 0 (or from `resume_from`) to `cfg.train.steps`.
+
+    Returns this call's per-step metrics. `callback(step, metrics)` sees each step's
+    metrics after they are logged; `say` receives warnings.
+    """
+    g, b = cfg.grpo.num_generations, cfg.train.batch_size
+    counters = Counters()
+    start = 0
+    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
+    samples_log = JsonlWriter(run_dir / "samples.jsonl")
+    if resume_from is not None:
+        st = load_checkpoint(resume_from, model, optimizer)
+        start = st.step
+        counters = Counters(**st.counters)
+        curriculum.load_state_dict(st.curriculum)
+        truncate_jsonl(run_dir / "metrics.jsonl", start)
+        truncate_jsonl(run_dir / "samples.jsonl", start)
+
+    loss_and_grad = nn.value_and_grad(model, lambda m, batch: grpo_loss(m, batch, cfg.grpo))
+    sampler = make_rollout_sampler(cfg.rollout)
+    history: list[dict] = []
+
+    for step in range(start + 1, cfg.train.steps + 1):
+        mx.reset_peak_memory()
+        tasks = curriculum.sample(b)
+        prompts = [encode_prompt(tokenizer, t.messages, cfg.rollout.max_prompt_tokens) for t in tasks]
+
+        model.eval()
+        rollout = generate_groups(model, tokenizer, prompts, g, cfg.rollout, sampler)
+
+        scored = [recipe.score(tasks[c.prompt_index], c.text) for c in rollout.completions]
+        rewards = np.array([s.reward for s in scored], dtype=np.float32)
+        errors = [s.error for s in scored if s.error]
+        counters.reward_errors += len(errors)
+        if errors:
+            say(f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}")
+        r_mx = mx.array(rewards)
+        advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
+        zero_var = np.array(zero_variance_groups(r_mx, g))
+        curriculum.update(tasks, rewards.reshape(b, g).tolist())
+
+        tic = time.perf_counter()
+        batch = build_loss_inputs(
+            rollout, advantages, cfg.rollout.max_new_tokens, cfg.grpo.mask_truncated_completions
+        )
+        need = [batch.tokens, batch.prompt_lens, batch.mask.shape[1], cfg.grpo.logits_chunk]
+        if cfg.grpo.beta > 0:
+            with adapters_disabled(model):
+                batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+        if cfg.grpo.num_iterations > 1:
+            batch.old_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+        mx.eval(batch.ref_logprobs, batch.old_logprobs)
+
+        model.train()
+        before = dict(tree_flatten(model.trainable_parameters()))
+        it_metrics: list[dict] = []
+        for _ in range(cfg.grpo.num_iterations):
+            (loss, m), grads = loss_and_grad(model, batch)
+            grads, grad_norm = optim.clip_grad_norm(grads, cfg.optimizer.max_grad_norm)
+            mx.eval(loss, grad_norm, m)
+            finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+            if finite:
+                optimizer.update(model, grads)
+                mx.eval(model.trainable_parameters(), optimizer.state)
+                counters.nonfinite_streak = 0
+            else:
+                counters.nonfinite_skipped += 1
+                counters.nonfinite_streak += 1
+                say(f"step {step}: non-finite loss or gradient, update skipped")
+                if counters.nonfinite_streak >= cfg.train.max_nonfinite_steps:
+                    raise TrainingError(
+                        f"{counters.nonfinite_streak} non-finite updates in a row at step "
+                        f"{step}; lower optimizer.learning_rate or check the reward"
+                    )
+            it_metrics.append(
+                {"loss/total": loss.item(), "grad_norm": grad_norm.item(),
+                 **{k: v.item() for k, v in m.items()}}
+            )
+        after = dict(tree_flatten(model.trainable_parameters()))
+        delta = math.sqrt(sum(float(((after[k] - before[k]) ** 2).sum()) for k in after))
+        update_s = time.perf_counter() - tic
+
+        metrics = _step_metrics(step, rollout, scored, rewards, advantages, zero_var, it_metrics)
+        metrics.update(
+            {
+                "lr": float(optimizer.learning_rate),
+                "adapter/delta_norm": delta,
+                "reward/errors": len(errors),
+                "nonfinite/skipped": counters.nonfinite_skipped,
+                "time/update_s": update_s,
+                "memory/peak_gb": mx.get_peak_memory() / 1e9,
+            }
+        )
+        _warnings(step, metrics, rewards, rollout, zero_var, counters, cfg, say)
+        metrics_log.write(metrics)
+        if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1):
+            _write_samples(samples_log, step, tasks, rollout, scored)
+        history.append(metrics)
+
+        if step % cfg.output.save_every == 0 or step == cfg.train.steps:
+            state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
+            save_checkpoint(
+                run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last
+            )
+        if callback is not None:
+            callback(step, metrics)
+    return history
+
+
+def _step_metrics(
+    step: int,
+    rollout: Rollout,
+    scored: list[Scored],
+    rewards: np.ndarray,
+    advantages: mx.array,
+    zero_var: np.ndarray,
+    it_metrics: list[dict],
+) -> dict:
+    lens = np.array([len(c.tokens) for c in rollout.completions])
+    out = {
+        "step": step,
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "advantage/abs_mean": float(mx.abs(advantages).mean().item()),
+        "groups/zero_variance_frac": float(zero_var.mean()),
+        "completion/len_mean": float(lens.mean()),
+        "completion/truncated_frac": float(np.mean([c.truncated for c in rollout.completions])),
+        "rollout/tokens_per_s": rollout.generated_tokens / max(rollout.seconds, 1e-9),
+        "time/rollout_s": rollout.seconds,
+    }
+    for name in scored[0].components:
+        out[f"reward/{name}"] = float(np.mean([s.components.get(name, 0.0) for s in scored]))
+    for key in it_metrics[0]:  # averaged over the num_iterations updates
+        out[key] = float(np.mean([m[key] for m in it_metrics]))
+    return out
+
+
+def _warnings(step, metrics, rewards, rollout, zero_var, counters: Counters, cfg, say) -> None:
+    if zero_var.all():
+        counters.zero_signal_streak += 1
+        if counters.zero_signal_streak == cfg.train.zero_signal_warn_steps:
+            truncated = np.array([c.truncated for c in rollout.completions])
+            cause = _zero_signal_cause(rewards, truncated, float(rewards.min()), float(rewards.max()))
+            say(
+                f"step {step}: no learning signal for {counters.zero_signal_streak} steps "
+                f"(every group's rewards were equal): {cause}"
+            )
+    else:
+        counters.zero_signal_streak = 0
+        if metrics["grad_norm"] == 0.0:
+            say(f"step {step}: gradient norm is 0 although some groups had reward variance")
+    moved = metrics["adapter/delta_norm"] > 0 or metrics["grad_norm"] == 0 or metrics["lr"] == 0
+    if not moved and "moved" not in counters.warned:
+        counters.warned.append("moved")
+        say(f"step {step}: the adapters did not move (learning rate {metrics['lr']:.3g})")
+
+
+def _write_samples(log: JsonlWriter, step: int, tasks: list[Task], rollout: Rollout, scored) -> None:
+    for c, s in zip(rollout.completions, scored):
+        log.write(
+            {
+                "step": step,
+                "task": tasks[c.prompt_index].id,
+                "completion": c.text,
+                "finish_reason": c.finish_reason,
+                "reward": s.reward,
+                "components": s.components,
+                **({"error": s.error} if s.error else {}),
+            }
+        )

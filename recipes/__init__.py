@@ -1,0 +1,1 @@
+"""Built-in recipes: one folder each, holding `recipe.toml` and `tasks.py`."""

@@ -1,0 +1,1 @@
+"""Reward functions shared by recipes: small pure functions of (task, completion)."""

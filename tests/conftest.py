@@ -1,0 +1,93 @@
+"""Shared fixtures: a tiny random llama with a byte-level tokenizer, saved as a normal
+MLX model folder so that every code path (mlx_lm.load, adapters, checkpoints) is the
+real one, offline and in milliseconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx_grpo  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_byte_tokenizer(folder: Path) -> int:
+    """A byte-level BPE tokenizer with no merges (one token per byte) plus chat
+    specials; returns the vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 2048,
+            }
+        )
+    )
+    return len(vocab)
+
+
+def make_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_byte_tokenizer(folder)
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
+    }
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict(config))
+    # Logits with std ~1.5: varied samples, yet far from uniform noise.
+    model.update(
+        {"model": {"embed_tokens": {"weight": mx.random.normal((vocab, hidden)) * 0.2}}}
+    )
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def tiny(tiny_model_dir):
+    """(model, tokenizer) of the tiny llama, freshly loaded."""
+    from mlx_lm import load
+
+    return load(str(tiny_model_dir))

@@ -1,0 +1,223 @@
+"""The GRPO maths against independent NumPy computations of the same formulas."""
+
+from __future__ import annotations
+
+import mlx_grpo  # noqa: F401
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_grpo.config import GRPOConfig, LoRAConfig
+from mlx_grpo.grpo import (
+    LossInputs,
+    aggregate,
+    completion_logprobs,
+    group_advantages,
+    grpo_loss,
+    per_token_loss,
+    zero_variance_groups,
+)
+from mlx_grpo.models import adapters_disabled, apply_lora, trainable_count
+
+# ---------------------------------------------------------------- advantages
+
+
+def np_advantages(r: np.ndarray, g: int, scale: str) -> np.ndarray:
+    groups = r.reshape(-1, g)
+    a = groups - groups.mean(1, keepdims=True)
+    if scale == "group":
+        a = a / (groups.std(1, ddof=1, keepdims=True) + 1e-4)
+    elif scale == "batch":
+        a = a / (r.std(ddof=1) + 1e-4)
+    return a.reshape(-1)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_match_numpy(scale):
+    rng = np.random.default_rng(0)
+    r = rng.random(24).astype(np.float32)
+    got = np.array(group_advantages(mx.array(r), 8, scale))
+    np.testing.assert_allclose(got, np_advantages(r, 8, scale), rtol=1e-5, atol=1e-6)
+
+
+def test_all_equal_groups_get_zero_advantage_and_are_flagged():
+    r = mx.array([1.0, 1, 1, 1, 0, 1, 0, 1, 0.5, 0.5, 0.5, 0.5])
+    a = np.array(group_advantages(r, 4, "group"))
+    assert np.all(a[:4] == 0) and np.all(a[8:] == 0)
+    assert np.allclose(a[4:8], [-0.866, 0.866, -0.866, 0.866], atol=1e-3)
+    assert np.array(zero_variance_groups(r, 4)).tolist() == [True, False, True]
+
+
+def test_advantages_reject_ragged_groups():
+    with pytest.raises(ValueError, match="G=4"):
+        group_advantages(mx.array([1.0, 2.0, 3.0]), 4)
+
+
+# ---------------------------------------------------------------- the loss on log-probs
+
+
+def np_loss_and_grad(logp, old, ref, adv, mask, eps_lo, eps_hi, beta, loss_type, max_new):
+    """Value and d loss / d logp, written out by hand (no autodiff)."""
+    ratio = np.exp(logp - old)
+    a = adv[:, None]
+    unclipped = ratio * a
+    clipped = np.clip(ratio, 1 - eps_lo, 1 + eps_hi) * a
+    tok = -np.minimum(unclipped, clipped)
+    # The min picks the unclipped term (gradient -A * ratio) unless the clipped term is
+    # smaller, which happens only outside the clip range (gradient 0 there).
+    d_tok = np.where(unclipped <= clipped, -a * ratio, 0.0)
+    d = ref - logp
+    tok = tok + beta * (np.exp(d) - d - 1)
+    d_tok = d_tok + beta * (1 - np.exp(d))
+    n = logp.shape[0]
+    if loss_type == "grpo":
+        w = mask / mask.sum(1, keepdims=True) / n
+    elif loss_type == "dr_grpo":
+        w = mask / (n * max_new)
+    else:
+        w = mask / mask.sum()
+    return (tok * w).sum(), d_tok * w
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradient_match_numpy(loss_type, beta):
+    rng = np.random.default_rng(1)
+    n, c = 6, 7
+    logp = -rng.random((n, c)).astype(np.float32) * 3
+    old = logp + rng.normal(0, 0.3, (n, c)).astype(np.float32)  # ratios well outside 1 +- 0.2
+    ref = logp + rng.normal(0, 0.2, (n, c)).astype(np.float32)
+    adv = rng.normal(0, 1, n).astype(np.float32)
+    mask = (rng.random((n, c)) > 0.3).astype(np.float32)
+    mask[:, 0] = 1
+
+    def f(lp):
+        tok, *_ = per_token_loss(lp, mx.array(old), mx.array(ref), mx.array(adv), 0.2, 0.28, beta)
+        return aggregate(tok, mx.array(mask), loss_type, 10)
+
+    value, grad = mx.value_and_grad(f)(mx.array(logp))
+    ref_value, ref_grad = np_loss_and_grad(logp, old, ref, adv, mask, 0.2, 0.28, beta, loss_type, 10)
+    assert abs(value.item() - ref_value) < 1e-5 * max(1, abs(ref_value))
+    np.testing.assert_allclose(np.array(grad), ref_grad, rtol=1e-4, atol=1e-7)
+    # The test can fail: some tokens are clipped (zero gradient) and some are not.
+    assert (np.array(grad)[mask > 0] == 0).any() == (beta == 0)
+
+
+def test_clip_fraction_counts_clipped_tokens():
+    logp = mx.array([[0.0, 0.0, 0.0]])
+    old = mx.array([[-0.5, 0.0, 0.5]])  # ratios e^0.5 > 1.2, 1, e^-0.5 < 0.8
+    _, _, clipped_pos, _ = per_token_loss(logp, old, None, mx.array([1.0]), 0.2, 0.2, 0.0)
+    _, _, clipped_neg, _ = per_token_loss(logp, old, None, mx.array([-1.0]), 0.2, 0.2, 0.0)
+    assert np.array(clipped_pos).tolist() == [[True, False, False]]
+    assert np.array(clipped_neg).tolist() == [[False, False, True]]
+
+
+# ---------------------------------------------------------------- log-probs from the model
+
+
+def np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _batch(tok_rows, prompt_lens):
+    t = max(len(r) for r in tok_rows)
+    arr = np.zeros((len(tok_rows), t), dtype=np.int32)
+    for i, r in enumerate(tok_rows):
+        arr[i, : len(r)] = r
+    return mx.array(arr), mx.array(prompt_lens)
+
+
+def test_completion_logprobs_match_full_logits(tiny):
+    model, _ = tiny
+    rng = np.random.default_rng(2)
+    rows = [rng.integers(3, 200, size=k).tolist() for k in (9, 12, 7)]
+    prompt_lens = [4, 6, 2]
+    tokens, pl = _batch(rows, prompt_lens)
+    c = max(len(r) - p for r, p in zip(rows, prompt_lens))
+    lp, ent = completion_logprobs(model, tokens, pl, c)
+    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
+        full = np_log_softmax(np.array(model(mx.array(row)[None])[0]))
+        for j in range(len(row) - p):
+            want = full[p + j - 1, row[p + j]]
+            assert abs(lp[i, j].item() - want) < 1e-4
+            h = -(np.exp(full[p + j - 1]) * full[p + j - 1]).sum()
+            assert abs(ent[i, j].item() - h) < 1e-3
+
+
+def test_chunked_logprobs_and_gradients_equal_unchunked(tiny):
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=3)
+    _randomize_lora_b(model)
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(3, 200, size=10).tolist() for _ in range(4)]
+    tokens, pl = _batch(rows, [3, 3, 5, 4])
+
+    def f(m, chunk):
+        lp, _ = completion_logprobs(m, tokens, pl, 7, chunk)
+        return (lp * mx.arange(7)).sum()
+
+    whole, g1 = nn.value_and_grad(model, lambda m: f(m, 1 << 24))(model)
+    # vocab ~259, 7 positions: 1 row per chunk
+    parts, g2 = nn.value_and_grad(model, lambda m: f(m, 7 * 259))(model)
+    assert abs(whole.item() - parts.item()) < 1e-3
+    for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=4)
+    _randomize_lora_b(model)
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
+    tokens, pl = _batch(rows, [3, 2])
+    mask = mx.array([[1.0, 1, 1], [1, 1, 0]])  # row 2 has a 2-token completion
+    cfg = GRPOConfig(beta=0.0, epsilon=0.99, epsilon_high=100.0)
+
+    def loss_of(tok):
+        # old log-probs of 0 make the ratio exp(logp), so the value depends on them
+        batch = LossInputs(tok, pl, mask, mx.array([1.0, -1.0]), mx.zeros((2, 3)), None, 3)
+        return grpo_loss(model, batch, cfg)[0].item()
+
+    base = loss_of(tokens)
+    padded = np.array(tokens)
+    padded[1, 4:] = 77  # padding of row 2
+    assert loss_of(mx.array(padded)) == pytest.approx(base, abs=1e-6)
+    changed = np.array(tokens)
+    changed[0, 4] = 99  # a completion token of row 1
+    assert abs(loss_of(mx.array(changed)) - base) > 1e-4
+
+
+# ---------------------------------------------------------------- LoRA and the reference
+
+
+def _randomize_lora_b(model, seed=0):
+    mx.random.seed(seed)
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.random.normal(m.lora_b.shape) * 0.05
+    mx.eval(model.parameters())
+
+
+def test_only_lora_parameters_train(tiny):
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4, num_layers=1, keys=["self_attn.q_proj"]), seed=0)
+    names = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    assert names == ["model.layers.1.self_attn.q_proj.lora_a", "model.layers.1.self_attn.q_proj.lora_b"]
+    assert trainable_count(model) == 64 * 4 + 4 * 64
+
+
+def test_reference_equals_base_model(tiny, tiny_model_dir):
+    from mlx_lm import load
+
+    model, _ = tiny
+    base, _ = load(str(tiny_model_dir))
+    apply_lora(model, LoRAConfig(rank=4), seed=0)
+    _randomize_lora_b(model)
+    x = mx.array([[5, 6, 7, 8, 9]])
+    with adapters_disabled(model):
+        ref = model(x)
+    assert mx.allclose(ref, base(x), atol=1e-6).item()
+    assert not mx.allclose(model(x), base(x), atol=1e-3).item()  # adapters are back on
