@@ -6,7 +6,7 @@
       adapter_config.json                          }
       latest                      name of the newest complete step folder
       step-000020/                adapters, adapter_config.json, optimizer.safetensors,
-                                  rng.safetensors, state.json (step, counters, curriculum)
+                                  state.json (step, counters, curriculum)
       metrics.jsonl, samples.jsonl
 
 A step folder is written under a temporary name and renamed when complete, and
@@ -76,7 +76,6 @@ def save_checkpoint(
         mx.save_safetensors(
             str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state))
         )
-        mx.save_safetensors(str(tmp / "rng.safetensors"), {"key": mx.random.state[0]})
         _write_json(
             tmp / "state.json",
             {"step": state.step, "counters": state.counters, "curriculum": state.curriculum},
@@ -112,7 +111,7 @@ def latest_step_dir(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
-    """Restore adapters, optimizer state and RNG in place; return the trainer state.
+    """Restore adapters and optimizer state in place; return the trainer state.
 
     Every mismatch between the checkpoint's adapters and the model is reported at once.
     """
@@ -131,7 +130,6 @@ def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
     model.load_weights(list(adapters.items()), strict=False)
     opt_state = mx.load(str(step_dir / "optimizer.safetensors"))
     optimizer.state = tree_unflatten(list(opt_state.items()))
-    mx.random.state[0] = mx.load(str(step_dir / "rng.safetensors"))["key"]
     state = json.loads((step_dir / "state.json").read_text())
-    mx.eval(model.parameters(), optimizer.state, mx.random.state)
+    mx.eval(model.parameters(), optimizer.state)
     return TrainState(state["step"], state["counters"], state["curriculum"])

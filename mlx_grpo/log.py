@@ -112,10 +112,10 @@ class Display:
             self.console.print(" ".join(parts + comps), highlight=False, soft_wrap=True)
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {text}", highlight=False)
+        self.console.print(f"[yellow]warning:[/] {text}", highlight=False, soft_wrap=True)
 
     def info(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        self.console.print(text, highlight=False, soft_wrap=True)
 
 
 def _sparkline(values: list[float]) -> str:

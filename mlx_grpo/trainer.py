@@ -138,6 +138,9 @@ def train(
 
     for step in range(start + 1, cfg.train.steps + 1):
         mx.reset_peak_memory()
+        # Sampling (and LoRA dropout) draw from a key fixed by (seed, step), so a resumed
+        # run samples exactly what the uninterrupted run would have sampled.
+        mx.random.seed(cfg.train.seed * 1_000_003 + step)
         tasks = curriculum.sample(b)
         prompts = [encode_prompt(tokenizer, t.messages, cfg.rollout.max_prompt_tokens) for t in tasks]
 
@@ -265,7 +268,9 @@ def _warnings(step, metrics, rewards, rollout, zero_var, counters: Counters, cfg
         counters.zero_signal_streak = 0
         if metrics["grad_norm"] == 0.0:
             say(f"step {step}: gradient norm is 0 although some groups had reward variance")
-    moved = metrics["adapter/delta_norm"] > 0 or metrics["grad_norm"] == 0 or metrics["lr"] == 0
+    grad = metrics["grad_norm"]
+    moved = metrics["adapter/delta_norm"] > 0 or not math.isfinite(grad) or grad == 0
+    moved = moved or metrics["lr"] == 0
     if not moved and "moved" not in counters.warned:
         counters.warned.append("moved")
         say(f"step {step}: the adapters did not move (learning rate {metrics['lr']:.3g})")

@@ -1,0 +1,61 @@
+"""Config layering and one-line errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_grpo.config import ConfigError, build_config, parse_overrides
+from mlx_grpo.recipe import recipe_defaults
+
+
+def test_overrides_parse_types_and_nesting():
+    got = parse_overrides(
+        ["--grpo.num_generations=16", "--grpo.beta", "0", "--lora.keys=[\"self_attn.q_proj\"]",
+         "--model.path=some/folder", "--grpo.epsilon_high=none", "--output.live=no"]
+    )
+    assert got == {
+        "grpo": {"num_generations": 16, "beta": 0, "epsilon_high": None},
+        "lora": {"keys": ["self_attn.q_proj"]},
+        "model": {"path": "some/folder"},
+        "output": {"live": "no"},
+    }
+
+
+def test_layers_apply_in_order(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nsteps = 7\nbatch_size = 3\n")
+    cfg = build_config(recipe_defaults("arithmetic"), f, parse_overrides(["--train.steps=9"]))
+    assert cfg.train.steps == 9 and cfg.train.batch_size == 3
+    assert cfg.recipe.weights == {"correct": 1.0, "format": 0.5}  # from recipe.toml
+    assert cfg.grpo.loss_type == "dapo"  # field default
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--grpo.loss_type=ppo"], "grpo.loss_type: Input should be 'grpo', 'dr_grpo' or 'dapo'"),
+        (["--grpo.num_generations=1"], "grpo.num_generations"),
+        (["--train.steps=many"], "train.steps"),
+        (["--grpo.bogus=1"], "unknown field 'grpo.bogus' (known: num_generations"),
+        (["--nosuch.field=1"], "unknown field 'nosuch'"),
+        (["--grpo.scale_rewards=std"], "grpo.scale_rewards"),
+        (["--train.steps=5", "--optimizer.warmup_steps=5"], "optimizer.warmup_steps"),
+        (["--grpo.epsilon=0.3", "--grpo.epsilon_high=0.1"], "grpo.epsilon_high"),
+    ],
+)
+def test_bad_values_are_one_line_naming_the_field(args, needle):
+    with pytest.raises(ConfigError) as e:
+        build_config(None, None, parse_overrides(args))
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_bad_command_line_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="expected --section.field=value"):
+        parse_overrides(["steps=3"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 3")
+    with pytest.raises(ConfigError, match="bad.toml: invalid TOML"):
+        build_config(None, bad, None)
+    with pytest.raises(ConfigError, match="recipe: 'nope' not found \\(built-in recipes: arithmetic"):
+        recipe_defaults("nope")

@@ -1,0 +1,81 @@
+"""Group rollouts through mlx_lm's BatchGenerator with a shared prompt prefill."""
+
+from __future__ import annotations
+
+import mlx_grpo  # noqa: F401
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_grpo.config import RolloutConfig
+from mlx_grpo.rollout import encode_prompt, generate_groups
+
+
+def _prompts(tokenizer):
+    msgs = ["hi", "what is 2 + 2?", "a much longer question about nothing at all"]
+    return [encode_prompt(tokenizer, [{"role": "user", "content": m}], 512) for m in msgs]
+
+
+def test_groups_are_contiguous_and_complete(tiny):
+    model, tok = tiny
+    prompts = _prompts(tok)
+    out = generate_groups(model, tok, prompts, 4, RolloutConfig(max_new_tokens=6))
+    assert len(out.completions) == 12
+    assert [c.prompt_index for c in out.completions] == [0] * 4 + [1] * 4 + [2] * 4
+    for c in out.completions:
+        assert 1 <= len(c.tokens) <= 6
+        assert c.finish_reason in ("stop", "length")
+        assert (c.finish_reason == "length") == (len(c.tokens) == 6 and c.tokens[-1] != 2)
+    assert out.generated_tokens == sum(len(c.tokens) for c in out.completions)
+
+
+def test_shared_prefill_decodes_like_mlx_lm_generate(tiny):
+    """Greedy samples from the shared-cache batch equal mlx_lm's one-prompt decoding."""
+    model, tok = tiny
+    prompts = _prompts(tok)
+    greedy = make_sampler(temp=0.0)
+    out = generate_groups(model, tok, prompts, 2, RolloutConfig(max_new_tokens=8), sampler=greedy)
+    for i, p in enumerate(prompts):
+        want = []
+        for t, _ in generate_step(mx.array(p), model, max_tokens=8, sampler=greedy):
+            want.append(int(t))
+            if t in tok.eos_token_ids:
+                break
+        for c in out.completions[2 * i : 2 * i + 2]:
+            assert c.tokens == want
+
+
+def test_stop_token_is_kept_in_tokens_but_not_in_text(tiny):
+    model, tok = tiny
+    eos = tok.eos_token_id
+    calls = {"n": 0}
+
+    def scripted(logprobs):  # 'A', 'B', then EOS for every sequence
+        calls["n"] += 1
+        nxt = {1: tok.encode("A")[-1], 2: tok.encode("B")[-1]}.get(calls["n"], eos)
+        return mx.full((logprobs.shape[0],), nxt, dtype=mx.uint32)
+
+    out = generate_groups(model, tok, _prompts(tok)[:1], 3, RolloutConfig(max_new_tokens=10), scripted)
+    for c in out.completions:
+        assert c.tokens[-1] == eos and len(c.tokens) == 3
+        assert c.finish_reason == "stop" and c.text == "AB"
+
+
+def test_long_prompts_are_cut_from_the_left(tiny):
+    _, tok = tiny
+    msgs = [{"role": "user", "content": "x" * 300}]
+    full = encode_prompt(tok, msgs, 10_000)
+    cut = encode_prompt(tok, msgs, 20)
+    assert len(cut) == 20 and cut == full[-20:]
+    assert tok.decode(cut).endswith("<|im_start|>assistant\n")
+
+
+def test_sampling_is_seeded(tiny):
+    model, tok = tiny
+    cfg = RolloutConfig(max_new_tokens=8, temperature=1.0)
+    mx.random.seed(7)
+    a = generate_groups(model, tok, _prompts(tok), 4, cfg)
+    mx.random.seed(7)
+    b = generate_groups(model, tok, _prompts(tok), 4, cfg)
+    assert [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
+    assert len({tuple(c.tokens) for c in a.completions}) > 3  # temperature really samples

@@ -1,0 +1,149 @@
+"""The loop end to end on the tiny model: metrics, checkpoints, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx_grpo  # noqa: F401
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_grpo.trainer as trainer_mod
+from mlx_grpo.cli import cmd_train
+from mlx_grpo.trainer import TrainingError
+
+TOY = Path(__file__).parent / "data" / "toy"
+REQUIRED = [
+    "reward/mean", "reward/std", "reward/ascii", "reward/short", "advantage/abs_mean",
+    "groups/zero_variance_frac", "loss/total", "loss/policy", "kl", "clip/frac", "entropy",
+    "grad_norm", "lr", "completion/len_mean", "completion/truncated_frac",
+    "rollout/tokens_per_s", "time/rollout_s", "time/update_s", "memory/peak_gb",
+    "reward/errors", "nonfinite/skipped", "adapter/delta_norm",
+]
+TIMING = ("time/", "rollout/tokens_per_s", "memory/")
+
+
+def _args(model_dir, out, run, *extra):
+    return ["--recipe", str(TOY), f"--model.path={model_dir}", f"--output.dir={out}",
+            f"--output.run={run}", *extra]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def test_train_logs_every_metric_and_saves_loadable_adapters(tiny_model_dir, tmp_path):
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "a", "--output.keep_last=2")) == 0
+    run = tmp_path / "a"
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert all(np.isfinite(v) for v in r.values())
+    assert any(r["groups/zero_variance_frac"] < 1 for r in rows)
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-000004", "step-000006"]
+    samples = [json.loads(s) for s in (run / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 2, 4, 6} and "completion" in samples[0]
+
+    # The adapters load in plain mlx_lm, differ from the base, and generate.
+    from mlx_lm import generate, load
+
+    adapters = mx.load(str(run / "adapters.safetensors"))
+    assert any(k.endswith("lora_b") and mx.abs(v).max().item() > 0 for k, v in adapters.items())
+    model, tok = load(str(tiny_model_dir), adapter_path=str(run))
+    base, _ = load(str(tiny_model_dir))
+    x = mx.array([[5, 6, 7, 8]])
+    assert not mx.allclose(model(x), base(x), atol=1e-4).item()
+    assert isinstance(generate(model, tok, "hello", max_tokens=4), str)
+
+
+def _run_cli(args, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlx_grpo", "train", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, **kw,
+    )
+
+
+def test_resume_after_kill_continues_exactly(tiny_model_dir, tmp_path):
+    steps = ["--train.steps=10", "--output.save_every=2"]
+    full = _run_cli(_args(tiny_model_dir, tmp_path, "full", *steps))
+    assert full.wait(timeout=300) == 0, full.stdout.read().decode()
+
+    victim = _run_cli(_args(tiny_model_dir, tmp_path, "killed", *steps))
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    logged = len(metrics.read_text().splitlines())
+    assert logged < 10, "the run finished before it could be killed"
+
+    resumed = _run_cli(["--resume", str(tmp_path / "killed")])
+    out = resumed.stdout.read().decode()
+    assert resumed.wait(timeout=300) == 0, out
+    assert "resuming from step-" in out
+    assert _comparable(_metrics(tmp_path / "killed")) == _comparable(_metrics(tmp_path / "full"))
+    a = mx.load(str(tmp_path / "killed" / "adapters.safetensors"))
+    b = mx.load(str(tmp_path / "full" / "adapters.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in b)
+
+
+def test_existing_run_needs_resume(tiny_model_dir, tmp_path):
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "r", "--train.steps=2")) == 0
+    from mlx_grpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="already holds a run; add --resume"):
+        cmd_train(_args(tiny_model_dir, tmp_path, "r", "--train.steps=2"))
+
+
+def test_reward_errors_are_counted_not_fatal(tiny_model_dir, tmp_path, capsys):
+    args = _args(tiny_model_dir, tmp_path, "e", "--train.steps=3", "--recipe.params={\"explode_every\": 2}")
+    assert cmd_train(args) == 0
+    rows = _metrics(tmp_path / "e")
+    assert sum(r["reward/errors"] for r in rows) > 0
+    assert "RuntimeError: boom" in capsys.readouterr().out
+
+
+def test_nonfinite_updates_are_skipped_then_fatal(tiny_model_dir, tmp_path, monkeypatch):
+    real = trainer_mod.grpo_loss
+    calls = {"n": 0}
+
+    def sometimes_nan(model, batch, cfg):
+        calls["n"] += 1
+        loss, m = real(model, batch, cfg)
+        return (loss * float("nan") if calls["n"] in (2, 4, 5, 6) else loss), m
+
+    monkeypatch.setattr(trainer_mod, "grpo_loss", sometimes_nan)
+    args = _args(tiny_model_dir, tmp_path, "n", "--train.steps=8", "--train.max_nonfinite_steps=3")
+    with pytest.raises(TrainingError, match="3 non-finite updates in a row at step 6"):
+        cmd_train(args)
+    rows = _metrics(tmp_path / "n")
+    assert [r["nonfinite/skipped"] for r in rows] == [0, 1, 1, 2, 3]
+    assert rows[1]["adapter/delta_norm"] == 0 and rows[2]["adapter/delta_norm"] > 0
+
+
+def test_several_iterations_move_the_ratio_and_clip(tiny_model_dir, tmp_path):
+    args = _args(
+        tiny_model_dir, tmp_path, "it", "--train.steps=3", "--grpo.num_iterations=4",
+        "--grpo.epsilon=0.02", "--optimizer.learning_rate=0.05", "--lora.scale=20",
+    )
+    assert cmd_train(args) == 0
+    rows = _metrics(tmp_path / "it")
+    assert any(abs(r["ratio/mean"] - 1) > 1e-4 for r in rows)
+    assert any(r["clip/frac"] > 0 for r in rows)
