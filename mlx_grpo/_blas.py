@@ -4,6 +4,8 @@ MLX's Linux CPU wheel ships a reference BLAS (~5-7 GFLOP/s for float32 GEMM here
 Loading OpenBLAS from the `cmeel-openblas` wheel with RTLD_GLOBAL before the first
 `import mlx` makes MLX resolve its BLAS calls there (~130-190 GFLOP/s). Everything
 else (macOS, an mlx already imported, a missing libgfortran) keeps MLX's own BLAS.
+MLX_GRPO_OPENBLAS=/path/to/libopenblas.so picks another OpenBLAS build;
+MLX_GRPO_NO_OPENBLAS=1 turns the whole thing off.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ _state: dict[str, str | None] = {"blas": None}
 
 
 def _openblas_path() -> Path | None:
+    if override := os.environ.get("MLX_GRPO_OPENBLAS"):  # e.g. Debian's libopenblas0-pthread
+        return Path(override)
     for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
         lib = Path(base) / "cmeel.prefix" / "lib" / "libopenblas.so.0"
         if lib.exists():

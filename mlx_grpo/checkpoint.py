@@ -73,9 +73,7 @@ def save_checkpoint(
         adapters = dict(tree_flatten(model.trainable_parameters()))
         mx.save_safetensors(str(tmp / "adapters.safetensors"), adapters)
         _write_json(tmp / "adapter_config.json", adapter_config)
-        mx.save_safetensors(
-            str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state))
-        )
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
         _write_json(
             tmp / "state.json",
             {"step": state.step, "counters": state.counters, "curriculum": state.curriculum},

@@ -1,7 +1,7 @@
 """`python -m mlx_grpo train ...`: set a run up from its config and hand it to the loop.
 
-    python -m mlx_grpo train --recipe arithmetic --train.steps=30 --model.path=default
-    python -m mlx_grpo train --resume checkpoints/arithmetic-20261122-1130
+python -m mlx_grpo train --recipe arithmetic --train.steps=30 --model.path=default
+python -m mlx_grpo train --resume checkpoints/arithmetic-20261122-1130
 """
 
 from __future__ import annotations
@@ -92,9 +92,7 @@ def cmd_train(argv: list[str]) -> int:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     adapter_cfg = adapter_config(cfg.lora, model, cfg.model.path)
 
-    display = Display(
-        cfg.train.steps, 0, cfg.output.live, f"{cfg.recipe.name} -> {run_dir}"
-    )
+    display = Display(cfg.train.steps, 0, cfg.output.live, f"{cfg.recipe.name} -> {run_dir}")
     device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({blas_in_use()} BLAS)"
     display.info(
         f"model {cfg.model.path} on {device}; LoRA r={cfg.lora.rank} "
@@ -105,8 +103,17 @@ def cmd_train(argv: list[str]) -> int:
     with display:
         try:
             train(
-                model, tokenizer, optimizer, recipe, curriculum, cfg, run_dir, adapter_cfg,
-                resume_from=resume_from, callback=display.step, say=display.warn,
+                model,
+                tokenizer,
+                optimizer,
+                recipe,
+                curriculum,
+                cfg,
+                run_dir,
+                adapter_cfg,
+                resume_from=resume_from,
+                callback=display.step,
+                say=display.warn,
             )
         except KeyboardInterrupt:
             display.info(f"interrupted; continue with: python -m mlx_grpo train --resume {run_dir}")

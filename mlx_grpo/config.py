@@ -9,10 +9,10 @@ reported as one line naming the field, e.g.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
@@ -44,9 +44,7 @@ class ModelConfig(_Section):
 
 class LoRAConfig(_Section):
     rank: int = Field(8, ge=1, description="LoRA rank r.")
-    scale: float = Field(
-        20.0, gt=0, description="mlx_lm's LoRA scale (PEFT's lora_alpha / r)."
-    )
+    scale: float = Field(20.0, gt=0, description="mlx_lm's LoRA scale (PEFT's lora_alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1)
     num_layers: int = Field(
         -1, description="Adapt the last N transformer blocks; -1 adapts all of them."

@@ -208,9 +208,7 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     logits_chunk are read).
     """
     c = batch.mask.shape[1]
-    logp, entropy = completion_logprobs(
-        model, batch.tokens, batch.prompt_lens, c, cfg.logits_chunk
-    )
+    logp, entropy = completion_logprobs(model, batch.tokens, batch.prompt_lens, c, cfg.logits_chunk)
     old = mx.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     tok_loss, kl, clipped, ratio = per_token_loss(
@@ -219,7 +217,9 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     mask = batch.mask
     loss = aggregate(tok_loss, mask, cfg.loss_type, batch.max_new_tokens)
     metrics = {
-        "loss/policy": aggregate(tok_loss - cfg.beta * kl, mask, cfg.loss_type, batch.max_new_tokens),
+        "loss/policy": aggregate(
+            tok_loss - cfg.beta * kl, mask, cfg.loss_type, batch.max_new_tokens
+        ),
         "kl": masked_mean(kl, mask),
         "clip/frac": masked_mean(clipped.astype(mx.float32), mask),
         "ratio/mean": masked_mean(ratio, mask),

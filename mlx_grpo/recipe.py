@@ -55,7 +55,9 @@ def recipe_dir(name: str) -> Path:
         if (cand / "recipe.toml").exists():
             return cand
     known = sorted(
-        p.name for base in _builtin_recipes.__path__ for p in Path(base).iterdir()
+        p.name
+        for base in _builtin_recipes.__path__
+        for p in Path(base).iterdir()
         if (p / "recipe.toml").exists()
     )
     raise ConfigError(f"recipe: '{name}' not found (built-in recipes: {', '.join(known)})")
@@ -94,9 +96,11 @@ class Recipe:
         non-finite value scores 0 on every component and reports the error."""
         try:
             out = self.module.reward(task, completion)
-            comps = {"reward": float(out)} if isinstance(out, (int, float)) else {
-                k: float(v) for k, v in out.items()
-            }
+            comps = (
+                {"reward": float(out)}
+                if isinstance(out, (int, float))
+                else {k: float(v) for k, v in out.items()}
+            )
             if not all(math.isfinite(v) for v in comps.values()):
                 raise ValueError(f"non-finite reward component in {comps}")
         except Exception as e:
@@ -121,8 +125,7 @@ class Recipe:
             )
         if not self.weights and len(comps) > 1 and "reward" not in comps:
             raise ConfigError(
-                f"recipe.weights: the reward has components {', '.join(comps)}; "
-                "give each a weight"
+                f"recipe.weights: the reward has components {', '.join(comps)}; give each a weight"
             )
         self._checked = True
 

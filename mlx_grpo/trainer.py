@@ -142,7 +142,9 @@ def train(
         # run samples exactly what the uninterrupted run would have sampled.
         mx.random.seed(cfg.train.seed * 1_000_003 + step)
         tasks = curriculum.sample(b)
-        prompts = [encode_prompt(tokenizer, t.messages, cfg.rollout.max_prompt_tokens) for t in tasks]
+        prompts = [
+            encode_prompt(tokenizer, t.messages, cfg.rollout.max_prompt_tokens) for t in tasks
+        ]
 
         model.eval()
         rollout = generate_groups(model, tokenizer, prompts, g, cfg.rollout, sampler)
@@ -192,8 +194,11 @@ def train(
                         f"{step}; lower optimizer.learning_rate or check the reward"
                     )
             it_metrics.append(
-                {"loss/total": loss.item(), "grad_norm": grad_norm.item(),
-                 **{k: v.item() for k, v in m.items()}}
+                {
+                    "loss/total": loss.item(),
+                    "grad_norm": grad_norm.item(),
+                    **{k: v.item() for k, v in m.items()},
+                }
             )
         after = dict(tree_flatten(model.trainable_parameters()))
         delta = math.sqrt(sum(float(((after[k] - before[k]) ** 2).sum()) for k in after))
@@ -259,7 +264,9 @@ def _warnings(step, metrics, rewards, rollout, zero_var, counters: Counters, cfg
         counters.zero_signal_streak += 1
         if counters.zero_signal_streak == cfg.train.zero_signal_warn_steps:
             truncated = np.array([c.truncated for c in rollout.completions])
-            cause = _zero_signal_cause(rewards, truncated, float(rewards.min()), float(rewards.max()))
+            cause = _zero_signal_cause(
+                rewards, truncated, float(rewards.min()), float(rewards.max())
+            )
             say(
                 f"step {step}: no learning signal for {counters.zero_signal_streak} steps "
                 f"(every group's rewards were equal): {cause}"
@@ -276,7 +283,9 @@ def _warnings(step, metrics, rewards, rollout, zero_var, counters: Counters, cfg
         say(f"step {step}: the adapters did not move (learning rate {metrics['lr']:.3g})")
 
 
-def _write_samples(log: JsonlWriter, step: int, tasks: list[Task], rollout: Rollout, scored) -> None:
+def _write_samples(
+    log: JsonlWriter, step: int, tasks: list[Task], rollout: Rollout, scored
+) -> None:
     for c, s in zip(rollout.completions, scored):
         log.write(
             {

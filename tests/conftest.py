@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx_grpo  # noqa: F401  (loads OpenBLAS before mlx)
-import mlx.core as mx
+import mlx.core as mx  # noqa: I001
 import pytest
 from mlx.utils import tree_flatten
+
+import mlx_grpo  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -71,9 +72,7 @@ def make_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int =
     mx.random.seed(seed)
     model = Model(ModelArgs.from_dict(config))
     # Logits with std ~1.5: varied samples, yet far from uniform noise.
-    model.update(
-        {"model": {"embed_tokens": {"weight": mx.random.normal((vocab, hidden)) * 0.2}}}
-    )
+    model.update({"model": {"embed_tokens": {"weight": mx.random.normal((vocab, hidden)) * 0.2}}})
     mx.eval(model.parameters())
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))

@@ -10,8 +10,15 @@ from mlx_grpo.recipe import recipe_defaults
 
 def test_overrides_parse_types_and_nesting():
     got = parse_overrides(
-        ["--grpo.num_generations=16", "--grpo.beta", "0", "--lora.keys=[\"self_attn.q_proj\"]",
-         "--model.path=some/folder", "--grpo.epsilon_high=none", "--output.live=no"]
+        [
+            "--grpo.num_generations=16",
+            "--grpo.beta",
+            "0",
+            '--lora.keys=["self_attn.q_proj"]',
+            "--model.path=some/folder",
+            "--grpo.epsilon_high=none",
+            "--output.live=no",
+        ]
     )
     assert got == {
         "grpo": {"num_generations": 16, "beta": 0, "epsilon_high": None},
@@ -57,5 +64,7 @@ def test_bad_command_line_and_files(tmp_path):
     bad.write_text("[train\nsteps = 3")
     with pytest.raises(ConfigError, match="bad.toml: invalid TOML"):
         build_config(None, bad, None)
-    with pytest.raises(ConfigError, match="recipe: 'nope' not found \\(built-in recipes: arithmetic"):
+    with pytest.raises(
+        ConfigError, match="recipe: 'nope' not found \\(built-in recipes: arithmetic"
+    ):
         recipe_defaults("nope")

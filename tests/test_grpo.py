@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx_grpo  # noqa: F401
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -98,7 +97,9 @@ def test_loss_and_gradient_match_numpy(loss_type, beta):
         return aggregate(tok, mx.array(mask), loss_type, 10)
 
     value, grad = mx.value_and_grad(f)(mx.array(logp))
-    ref_value, ref_grad = np_loss_and_grad(logp, old, ref, adv, mask, 0.2, 0.28, beta, loss_type, 10)
+    ref_value, ref_grad = np_loss_and_grad(
+        logp, old, ref, adv, mask, 0.2, 0.28, beta, loss_type, 10
+    )
     assert abs(value.item() - ref_value) < 1e-5 * max(1, abs(ref_value))
     np.testing.assert_allclose(np.array(grad), ref_grad, rtol=1e-4, atol=1e-7)
     # The test can fail: some tokens are clipped (zero gradient) and some are not.
@@ -205,7 +206,10 @@ def test_only_lora_parameters_train(tiny):
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4, num_layers=1, keys=["self_attn.q_proj"]), seed=0)
     names = [k for k, _ in tree_flatten(model.trainable_parameters())]
-    assert names == ["model.layers.1.self_attn.q_proj.lora_a", "model.layers.1.self_attn.q_proj.lora_b"]
+    assert names == [
+        "model.layers.1.self_attn.q_proj.lora_a",
+        "model.layers.1.self_attn.q_proj.lora_b",
+    ]
     assert trainable_count(model) == 64 * 4 + 4 * 64
 
 

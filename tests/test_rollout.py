@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx_grpo  # noqa: F401
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
@@ -55,7 +54,9 @@ def test_stop_token_is_kept_in_tokens_but_not_in_text(tiny):
         nxt = {1: tok.encode("A")[-1], 2: tok.encode("B")[-1]}.get(calls["n"], eos)
         return mx.full((logprobs.shape[0],), nxt, dtype=mx.uint32)
 
-    out = generate_groups(model, tok, _prompts(tok)[:1], 3, RolloutConfig(max_new_tokens=10), scripted)
+    out = generate_groups(
+        model, tok, _prompts(tok)[:1], 3, RolloutConfig(max_new_tokens=10), scripted
+    )
     for c in out.completions:
         assert c.tokens[-1] == eos and len(c.tokens) == 3
         assert c.finish_reason == "stop" and c.text == "AB"

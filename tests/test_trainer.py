@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx_grpo  # noqa: F401
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,18 +20,41 @@ from mlx_grpo.trainer import TrainingError
 
 TOY = Path(__file__).parent / "data" / "toy"
 REQUIRED = [
-    "reward/mean", "reward/std", "reward/ascii", "reward/short", "advantage/abs_mean",
-    "groups/zero_variance_frac", "loss/total", "loss/policy", "kl", "clip/frac", "entropy",
-    "grad_norm", "lr", "completion/len_mean", "completion/truncated_frac",
-    "rollout/tokens_per_s", "time/rollout_s", "time/update_s", "memory/peak_gb",
-    "reward/errors", "nonfinite/skipped", "adapter/delta_norm",
+    "reward/mean",
+    "reward/std",
+    "reward/ascii",
+    "reward/short",
+    "advantage/abs_mean",
+    "groups/zero_variance_frac",
+    "loss/total",
+    "loss/policy",
+    "kl",
+    "clip/frac",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "completion/len_mean",
+    "completion/truncated_frac",
+    "rollout/tokens_per_s",
+    "time/rollout_s",
+    "time/update_s",
+    "memory/peak_gb",
+    "reward/errors",
+    "nonfinite/skipped",
+    "adapter/delta_norm",
 ]
 TIMING = ("time/", "rollout/tokens_per_s", "memory/")
 
 
 def _args(model_dir, out, run, *extra):
-    return ["--recipe", str(TOY), f"--model.path={model_dir}", f"--output.dir={out}",
-            f"--output.run={run}", *extra]
+    return [
+        "--recipe",
+        str(TOY),
+        f"--model.path={model_dir}",
+        f"--output.dir={out}",
+        f"--output.run={run}",
+        *extra,
+    ]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -73,7 +95,10 @@ def _run_cli(args, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "mlx_grpo", "train", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, **kw,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        **kw,
     )
 
 
@@ -113,7 +138,9 @@ def test_existing_run_needs_resume(tiny_model_dir, tmp_path):
 
 
 def test_reward_errors_are_counted_not_fatal(tiny_model_dir, tmp_path, capsys):
-    args = _args(tiny_model_dir, tmp_path, "e", "--train.steps=3", "--recipe.params={\"explode_every\": 2}")
+    args = _args(
+        tiny_model_dir, tmp_path, "e", "--train.steps=3", '--recipe.params={"explode_every": 2}'
+    )
     assert cmd_train(args) == 0
     rows = _metrics(tmp_path / "e")
     assert sum(r["reward/errors"] for r in rows) > 0
@@ -140,8 +167,14 @@ def test_nonfinite_updates_are_skipped_then_fatal(tiny_model_dir, tmp_path, monk
 
 def test_several_iterations_move_the_ratio_and_clip(tiny_model_dir, tmp_path):
     args = _args(
-        tiny_model_dir, tmp_path, "it", "--train.steps=3", "--grpo.num_iterations=4",
-        "--grpo.epsilon=0.02", "--optimizer.learning_rate=0.05", "--lora.scale=20",
+        tiny_model_dir,
+        tmp_path,
+        "it",
+        "--train.steps=3",
+        "--grpo.num_iterations=4",
+        "--grpo.epsilon=0.02",
+        "--optimizer.learning_rate=0.05",
+        "--lora.scale=20",
     )
     assert cmd_train(args) == 0
     rows = _metrics(tmp_path / "it")

@@ -16,9 +16,7 @@ import random
 from mlx_grpo.recipe import Task
 from rewards.arithmetic import reward  # noqa: F401  (the recipe's reward)
 
-INSTRUCTION = (
-    "Put only the final number inside <answer></answer>, for example <answer>12</answer>."
-)
+INSTRUCTION = "Put only the final number inside <answer></answer>, for example <answer>12</answer>."
 
 
 def _problem(rng: random.Random, level: int) -> tuple[str, int]:
