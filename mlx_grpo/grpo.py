@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
 
 ADV_EPS = 1e-4
 
@@ -94,50 +95,119 @@ def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.arra
     return picked - lse, mx.stop_gradient(entropy)
 
 
+class _PrefixCache:
+    """A differentiable KV cache for one group: the prompt's keys/values, computed once,
+    then shared (broadcast, not copied) by the group's G completions.
+
+    It speaks the part of mlx_lm's cache protocol that attention layers use
+    (`offset`, `update_and_fetch`, `make_mask`) and keeps everything in the graph, so
+    gradients reach the LoRA weights through the prompt positions too.
+    """
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys, values):
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        self.keys, self.values = keys, values
+        self.offset = keys.shape[2]
+        return keys, values
+
+    def share(self, group: int) -> None:
+        self.keys = mx.broadcast_to(self.keys, (group, *self.keys.shape[1:]))
+        self.values = mx.broadcast_to(self.values, (group, *self.values.shape[1:]))
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return create_attention_mask(n, self.offset, return_array, window_size)
+
+
+def _splittable(model: nn.Module) -> bool:
+    """True for mlx_lm models with an inner `.model`, an output head we can call on
+    chosen positions, and plain KV caches (no sliding windows or SSM state)."""
+    inner = getattr(model, "model", None)
+    return (
+        inner is not None
+        and _output_head(model) is not None
+        and not hasattr(model, "make_cache")
+        and all(isinstance(c, KVCache) for c in make_prompt_cache(model))
+    )
+
+
+def _group_hidden(model: nn.Module, prompt: mx.array, completions: mx.array) -> mx.array:
+    """Hidden states at the C positions that predict a group's completion tokens.
+
+    The prompt runs once ([1, P]); its cache is shared by the G completions ([G, C]).
+    Completion token j is predicted from position P - 1 + j: the prompt's last
+    position for j = 0, then the completion's own positions.
+    """
+    g, c = completions.shape
+    cache = [_PrefixCache() for _ in model.layers]
+    h_prompt = model.model(prompt[None], cache=cache)[:, -1:]
+    first = mx.broadcast_to(h_prompt, (g, 1, h_prompt.shape[-1]))
+    if c == 1:
+        return first
+    for layer_cache in cache:
+        layer_cache.share(g)
+    h = model.model(completions[:, :-1], cache=cache)
+    return mx.concatenate([first, h], axis=1)
+
+
 def completion_logprobs(
     model: nn.Module,
-    tokens: mx.array,
-    prompt_lens: mx.array,
-    completion_len: int,
+    prompts: list[mx.array],
+    completions: mx.array,
     chunk_floats: int = 1 << 24,
 ) -> tuple[mx.array, mx.array]:
     """Log-probs and entropies of the completion tokens, [N, C] each.
 
-    `tokens` is [N, T]: row i holds its prompt (length prompt_lens[i]), then its
-    completion, then right padding (harmless under the causal mask). Logits are
-    computed only at the C positions that predict completion tokens, so no
-    [N, T, V] tensor exists; rows are processed in chunks of at most `chunk_floats`
-    logits, each recomputed in the backward pass (mx.checkpoint).
+    `prompts` holds the B prompts (1-D token arrays); `completions` is [N, C] with
+    N = B * G, group b in rows b*G..(b+1)*G-1, right-padded (padding sits after the
+    tokens it could affect, so the causal mask keeps it out). Each prompt is run once
+    for its whole group, and logits are computed only at the C positions that predict
+    completion tokens, in row chunks of at most `chunk_floats` logits that are
+    recomputed in the backward pass (mx.checkpoint).
     """
-    n, t = tokens.shape
-    # Position p predicts token p + 1: completion token j of row i sits at
-    # prompt_lens[i] + j and is predicted from position prompt_lens[i] + j - 1.
-    offs = mx.arange(completion_len)[None, :]
-    pred_pos = mx.minimum(prompt_lens[:, None] - 1 + offs, t - 2)
-    targets = mx.take_along_axis(tokens, pred_pos + 1, axis=1)
+    n, c = completions.shape
+    g = n // len(prompts)
+    if g * len(prompts) != n:
+        raise ValueError(f"{n} completions do not split into {len(prompts)} groups")
+
+    if not _splittable(model):  # any other architecture: full sequences, full logits
+        return _full_sequence_logprobs(model, prompts, completions, g)
 
     head = _output_head(model)
-    if head is None:  # an architecture we cannot split: full logits, then gather
-        logits = model(tokens)
-        sel = mx.take_along_axis(logits, pred_pos[..., None], axis=1)
-        return _logprobs_of(sel, targets)
-
-    hidden = model.model(tokens)
-    hidden = mx.take_along_axis(hidden, pred_pos[..., None], axis=1)  # [N, C, D]
+    hidden = mx.concatenate(
+        [_group_hidden(model, p, completions[b * g : (b + 1) * g]) for b, p in enumerate(prompts)],
+        axis=0,
+    )
 
     def chunk(h, y):
         return _logprobs_of(head(h), y)
 
     vocab = _vocab_size(model, head, hidden)
-    rows = max(1, chunk_floats // max(1, completion_len * vocab))
+    rows = max(1, chunk_floats // max(1, c * vocab))
     if rows >= n:
-        return chunk(hidden, targets)
+        return chunk(hidden, completions)
     fn = mx.checkpoint(chunk)
-    parts = [fn(hidden[i : i + rows], targets[i : i + rows]) for i in range(0, n, rows)]
+    parts = [fn(hidden[i : i + rows], completions[i : i + rows]) for i in range(0, n, rows)]
     return (
         mx.concatenate([p[0] for p in parts], axis=0),
         mx.concatenate([p[1] for p in parts], axis=0),
     )
+
+
+def _full_sequence_logprobs(model, prompts, completions, g):
+    n, c = completions.shape
+    rows = [mx.concatenate([prompts[i // g], completions[i]]) for i in range(n)]
+    t = max(r.shape[0] for r in rows)
+    tokens = mx.stack([mx.pad(r, (0, t - r.shape[0])) for r in rows])
+    starts = mx.array([prompts[i // g].shape[0] - 1 for i in range(n)])
+    pos = starts[:, None] + mx.arange(c)[None, :]
+    logits = mx.take_along_axis(model(tokens), pos[..., None], axis=1)
+    return _logprobs_of(logits, completions)
 
 
 def _vocab_size(model: nn.Module, head, hidden: mx.array) -> int:
@@ -151,8 +221,8 @@ def _vocab_size(model: nn.Module, head, hidden: mx.array) -> int:
 class LossInputs:
     """One update's batch: N = B*G completions, C = longest completion."""
 
-    tokens: mx.array  # [N, T] prompt + completion + right padding
-    prompt_lens: mx.array  # [N]
+    prompts: list[mx.array]  # B prompts, 1-D token arrays
+    completions: mx.array  # [N, C] sampled tokens, groups contiguous, right-padded
     mask: mx.array  # [N, C] float: 1 on completion tokens that enter the loss
     advantages: mx.array  # [N]
     old_logprobs: mx.array | None  # [N, C]; None: the current policy (num_iterations=1)
@@ -207,8 +277,7 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     `cfg` is a `GRPOConfig` (only epsilon, epsilon_high, beta, loss_type and
     logits_chunk are read).
     """
-    c = batch.mask.shape[1]
-    logp, entropy = completion_logprobs(model, batch.tokens, batch.prompt_lens, c, cfg.logits_chunk)
+    logp, entropy = completion_logprobs(model, batch.prompts, batch.completions, cfg.logits_chunk)
     old = mx.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     tok_loss, kl, clipped, ratio = per_token_loss(

@@ -58,20 +58,18 @@ def build_loss_inputs(
     max_new_tokens: int,
     mask_truncated: bool,
 ) -> LossInputs:
-    """Right-padded [N, T] token matrix and the [N, C] completion mask."""
+    """The B prompts, the right-padded [N, C] completions and their loss mask."""
     comps = rollout.completions
-    rows = [rollout.prompts[c.prompt_index] + c.tokens for c in comps]
-    t = max(len(r) for r in rows)
     c_max = max(len(c.tokens) for c in comps)
-    tokens = np.zeros((len(rows), t), dtype=np.int32)
-    mask = np.zeros((len(rows), c_max), dtype=np.float32)
-    for i, (row, c) in enumerate(zip(rows, comps)):
-        tokens[i, : len(row)] = row
+    tokens = np.zeros((len(comps), c_max), dtype=np.int32)
+    mask = np.zeros((len(comps), c_max), dtype=np.float32)
+    for i, c in enumerate(comps):
+        tokens[i, : len(c.tokens)] = c.tokens
         if not (mask_truncated and c.truncated):
             mask[i, : len(c.tokens)] = 1.0
     return LossInputs(
-        tokens=mx.array(tokens),
-        prompt_lens=mx.array([len(rollout.prompts[c.prompt_index]) for c in comps]),
+        prompts=[mx.array(p) for p in rollout.prompts],
+        completions=mx.array(tokens),
         mask=mx.array(mask),
         advantages=advantages,
         old_logprobs=None,
@@ -164,7 +162,7 @@ def train(
         batch = build_loss_inputs(
             rollout, advantages, cfg.rollout.max_new_tokens, cfg.grpo.mask_truncated_completions
         )
-        need = [batch.tokens, batch.prompt_lens, batch.mask.shape[1], cfg.grpo.logits_chunk]
+        need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
         if cfg.grpo.beta > 0:
             with adapters_disabled(model):
                 batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])

@@ -45,14 +45,16 @@ def correct(text: str, answer: int) -> float:
 
 def answer_format(text: str) -> float:
     """1.0 for exactly `<answer>N</answer>` and nothing else, 0.5 when one tagged
-    integer appears inside other text, else 0.
+    integer appears inside other text, 0.25 for a malformed attempt at the tag, else 0.
 
-    >>> answer_format("<answer>42</answer>"), answer_format("So <answer>42</answer>."), answer_format("42")
-    (1.0, 0.5, 0.0)
+    >>> [answer_format(t) for t in ("<answer>42</answer>", "So <answer>42</answer>.", "<answer 42>", "42")]
+    [1.0, 0.5, 0.25, 0.0]
     """
     if _STRICT.match(text):
         return 1.0
-    return 0.5 if len(_TAGGED.findall(text)) == 1 else 0.0
+    if len(_TAGGED.findall(text)) == 1:
+        return 0.5
+    return 0.25 if "<answer" in text.lower() else 0.0
 
 
 def reward(task, completion: str) -> dict[str, float]:

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.grpo import (
     LossInputs,
+    _full_sequence_logprobs,
     aggregate,
     completion_logprobs,
     group_advantages,
@@ -123,46 +124,71 @@ def np_log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _batch(tok_rows, prompt_lens):
-    t = max(len(r) for r in tok_rows)
-    arr = np.zeros((len(tok_rows), t), dtype=np.int32)
-    for i, r in enumerate(tok_rows):
-        arr[i, : len(r)] = r
-    return mx.array(arr), mx.array(prompt_lens)
+def _groups(seed=2, prompt_lens=(5, 9), g=3, max_c=6):
+    """B prompts of different lengths and G right-padded completions for each."""
+    rng = np.random.default_rng(seed)
+    prompts = [mx.array(rng.integers(3, 200, size=p).tolist()) for p in prompt_lens]
+    n = len(prompt_lens) * g
+    lens = rng.integers(1, max_c + 1, size=n)
+    lens[0] = max_c
+    comp = np.zeros((n, max_c), dtype=np.int32)
+    for i, k in enumerate(lens):
+        comp[i, :k] = rng.integers(3, 200, size=k)
+    return prompts, mx.array(comp), lens
 
 
 def test_completion_logprobs_match_full_logits(tiny):
     model, _ = tiny
-    rng = np.random.default_rng(2)
-    rows = [rng.integers(3, 200, size=k).tolist() for k in (9, 12, 7)]
-    prompt_lens = [4, 6, 2]
-    tokens, pl = _batch(rows, prompt_lens)
-    c = max(len(r) - p for r, p in zip(rows, prompt_lens))
-    lp, ent = completion_logprobs(model, tokens, pl, c)
-    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
+    prompts, comp, lens = _groups()
+    lp, ent = completion_logprobs(model, prompts, comp)
+    g = comp.shape[0] // len(prompts)
+    for i in range(comp.shape[0]):
+        p = np.array(prompts[i // g]).tolist()
+        row = p + np.array(comp[i, : lens[i]]).tolist()
         full = np_log_softmax(np.array(model(mx.array(row)[None])[0]))
-        for j in range(len(row) - p):
-            want = full[p + j - 1, row[p + j]]
-            assert abs(lp[i, j].item() - want) < 1e-4
-            h = -(np.exp(full[p + j - 1]) * full[p + j - 1]).sum()
+        for j in range(lens[i]):
+            assert abs(lp[i, j].item() - full[len(p) + j - 1, row[len(p) + j]]) < 1e-4
+            h = -(np.exp(full[len(p) + j - 1]) * full[len(p) + j - 1]).sum()
             assert abs(ent[i, j].item() - h) < 1e-3
+
+
+def test_shared_prompt_gradients_equal_full_sequence_gradients(tiny):
+    """One prompt pass shared by the group gives the gradients of G full passes."""
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=5)
+    _randomize_lora_b(model)
+    prompts, comp, lens = _groups(seed=5)
+    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
+    mask = mx.array((np.arange(comp.shape[1])[None] < lens[:, None]).astype(np.float32))
+
+    def shared(m):
+        return (completion_logprobs(m, prompts, comp)[0] * weights * mask).sum()
+
+    def full(m):
+        g = comp.shape[0] // len(prompts)
+        return (_full_sequence_logprobs(m, prompts, comp, g)[0] * weights * mask).sum()
+
+    v1, g1 = nn.value_and_grad(model, shared)(model)
+    v2, g2 = nn.value_and_grad(model, full)(model)
+    assert abs(v1.item() - v2.item()) < 1e-3 * abs(v2.item())
+    for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=2e-3, atol=1e-5, err_msg=k)
+    assert any(mx.abs(a).max().item() > 0 for _, a in tree_flatten(g1))
 
 
 def test_chunked_logprobs_and_gradients_equal_unchunked(tiny):
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=3)
     _randomize_lora_b(model)
-    rng = np.random.default_rng(3)
-    rows = [rng.integers(3, 200, size=10).tolist() for _ in range(4)]
-    tokens, pl = _batch(rows, [3, 3, 5, 4])
+    prompts, comp, _ = _groups(seed=3)
 
     def f(m, chunk):
-        lp, _ = completion_logprobs(m, tokens, pl, 7, chunk)
-        return (lp * mx.arange(7)).sum()
+        lp, _ = completion_logprobs(m, prompts, comp, chunk)
+        return (lp * mx.arange(comp.shape[1])).sum()
 
     whole, g1 = nn.value_and_grad(model, lambda m: f(m, 1 << 24))(model)
-    # vocab ~259, 7 positions: 1 row per chunk
-    parts, g2 = nn.value_and_grad(model, lambda m: f(m, 7 * 259))(model)
+    # vocab 259, 6 positions: one row per chunk
+    parts, g2 = nn.value_and_grad(model, lambda m: f(m, 6 * 259))(model)
     assert abs(whole.item() - parts.item()) < 1e-3
     for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-6, err_msg=k)
@@ -172,23 +198,24 @@ def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=4)
     _randomize_lora_b(model)
-    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
-    tokens, pl = _batch(rows, [3, 2])
-    mask = mx.array([[1.0, 1, 1], [1, 1, 0]])  # row 2 has a 2-token completion
+    prompts = [mx.array([5, 6, 7]), mx.array([11, 12])]
+    comp = np.array([[8, 9, 10], [8, 9, 0], [13, 14, 0], [15, 16, 17]], dtype=np.int32)
+    mask = mx.array([[1.0, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 1]])
     cfg = GRPOConfig(beta=0.0, epsilon=0.99, epsilon_high=100.0)
 
-    def loss_of(tok):
+    def loss_of(c):
         # old log-probs of 0 make the ratio exp(logp), so the value depends on them
-        batch = LossInputs(tok, pl, mask, mx.array([1.0, -1.0]), mx.zeros((2, 3)), None, 3)
+        adv = mx.array([1.0, -1.0, 0.5, -0.5])
+        batch = LossInputs(prompts, mx.array(c), mask, adv, mx.zeros((4, 3)), None, 3)
         return grpo_loss(model, batch, cfg)[0].item()
 
-    base = loss_of(tokens)
-    padded = np.array(tokens)
-    padded[1, 4:] = 77  # padding of row 2
-    assert loss_of(mx.array(padded)) == pytest.approx(base, abs=1e-6)
-    changed = np.array(tokens)
-    changed[0, 4] = 99  # a completion token of row 1
-    assert abs(loss_of(mx.array(changed)) - base) > 1e-4
+    base = loss_of(comp)
+    padded = comp.copy()
+    padded[1, 2] = padded[2, 2] = 77  # padding
+    assert loss_of(padded) == pytest.approx(base, abs=1e-6)
+    changed = comp.copy()
+    changed[0, 1] = 99  # a completion token
+    assert abs(loss_of(changed) - base) > 1e-4
 
 
 # ---------------------------------------------------------------- LoRA and the reference

@@ -51,8 +51,21 @@ def split_of(expr: str) -> str:
     return "eval" if h % EVAL_SHARE == 0 else "train"
 
 
-def make_tasks(split: str, n: int, seed: int, levels: list[int] = (1, 2, 3)) -> list[Task]:
-    """`n` distinct problems of `split`, cycling through `levels`, from `seed`."""
+# A worked example shown before the question (shots=1): a 135M model rarely uses
+# the tags from the instruction alone (~2% of samples), and GRPO needs some signal.
+EXAMPLE = [
+    {"role": "user", "content": f"What is 3 + 4? {INSTRUCTION}"},
+    {"role": "assistant", "content": "<answer>7</answer>"},
+]
+
+
+def make_tasks(
+    split: str, n: int, seed: int, levels: list[int] = (1, 2, 3), shots: int = 1
+) -> list[Task]:
+    """`n` distinct problems of `split`, cycling through `levels`, from `seed`;
+    `shots` (0 or 1) worked examples precede the question."""
+    if shots not in (0, 1):
+        raise ValueError(f"shots must be 0 or 1, got {shots}")
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     bad = [lv for lv in levels if lv not in LEVELS]
@@ -77,7 +90,8 @@ def make_tasks(split: str, n: int, seed: int, levels: list[int] = (1, 2, 3)) -> 
             Task(
                 id=f"{split}-L{level}-{expr.replace(' ', '')}",
                 level=level,
-                messages=[{"role": "user", "content": f"What is {expr}? {INSTRUCTION}"}],
+                messages=EXAMPLE[: 2 * shots]
+                + [{"role": "user", "content": f"What is {expr}? {INSTRUCTION}"}],
                 payload={"answer": value, "expr": expr},
             )
         )
