@@ -131,7 +131,6 @@ def _splittable(model: nn.Module) -> bool:
     return (
         inner is not None
         and _output_head(model) is not None
-        and not hasattr(model, "make_cache")
         and all(isinstance(c, KVCache) for c in make_prompt_cache(model))
     )
 

@@ -12,6 +12,7 @@ from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.grpo import (
     LossInputs,
     _full_sequence_logprobs,
+    _splittable,
     aggregate,
     completion_logprobs,
     group_advantages,
@@ -155,6 +156,7 @@ def test_completion_logprobs_match_full_logits(tiny):
 def test_shared_prompt_gradients_equal_full_sequence_gradients(tiny):
     """One prompt pass shared by the group gives the gradients of G full passes."""
     model, _ = tiny
+    assert _splittable(model)  # the shared-prompt path is the one under test
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model)
     prompts, comp, lens = _groups(seed=5)
