@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx.core as mx  # noqa: I001
+# isort: off
+import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
+# isort: on
+import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-
-import mlx_grpo  # noqa: F401, I001  (first: loads OpenBLAS before mlx)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
