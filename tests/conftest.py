@@ -9,6 +9,7 @@ from pathlib import Path
 
 # isort: off
 import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
+
 # isort: on
 import mlx.core as mx
 import pytest
