@@ -123,9 +123,7 @@ def test_grpo_learns_the_answer_format_on_the_embedded_model(default_dir, tmp_pa
     ]
     assert cmd_train(args) == 0
     rows = [json.loads(x) for x in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
-    first = np.mean([r["reward/format"] for r in rows[:2]])
+    first = rows[0]["reward/format"]  # sampled before any update
     last = np.mean([r["reward/format"] for r in rows[-3:]])
     assert last >= first + 0.2 and last >= 0.9, (first, last)
-    assert np.mean([r["reward/mean"] for r in rows[-3:]]) > np.mean(
-        [r["reward/mean"] for r in rows[:2]]
-    )
+    assert np.mean([r["reward/mean"] for r in rows[-3:]]) > rows[0]["reward/mean"]
