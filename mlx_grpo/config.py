@@ -179,11 +179,6 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.optimizer.warmup_steps >= self.train.steps and self.train.steps > 1:
-            raise ValueError(
-                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below "
-                f"train.steps ({self.train.steps})"
-            )
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
             raise ValueError("grpo.epsilon_high must be >= grpo.epsilon (it widens the upper clip)")
         return self

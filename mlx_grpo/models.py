@@ -47,7 +47,9 @@ def load_model(cfg: ModelConfig):
     backend); on a GPU the checkpoint's own format is kept.
     """
     path = resolve_model_path(cfg.path)
-    local = Path(path)
+    local = Path(path).expanduser()
+    if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise ModelLoadError(f"model.path: {path} does not exist (and is not a Hub repo id)")
     if local.exists() and not (local / "config.json").exists():
         raise ModelLoadError(f"model.path: {path} has no config.json (not an MLX/HF model folder)")
     try:

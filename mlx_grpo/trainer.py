@@ -37,16 +37,17 @@ class TrainingError(RuntimeError):
 def build_optimizer(cfg: OptimizerConfig, total_updates: int) -> optim.AdamW:
     """AdamW with linear warm-up then cosine decay (or constant)."""
     lr = cfg.learning_rate
-    decay_steps = max(1, total_updates - cfg.warmup_steps)
+    warmup = min(cfg.warmup_steps, max(total_updates - 1, 0))  # short runs still decay
+    decay_steps = max(1, total_updates - warmup)
     main = (
         optim.cosine_decay(lr, decay_steps, end=lr * cfg.min_lr_ratio)
         if cfg.schedule == "cosine"
         else (lambda _: mx.array(lr))
     )
-    if cfg.warmup_steps:
+    if warmup:
         # Starts above 0 so that the first update already moves the adapters.
-        warm = optim.linear_schedule(lr / (cfg.warmup_steps + 1), lr, cfg.warmup_steps)
-        schedule = optim.join_schedules([warm, main], [cfg.warmup_steps])
+        warm = optim.linear_schedule(lr / (warmup + 1), lr, warmup)
+        schedule = optim.join_schedules([warm, main], [warmup])
     else:
         schedule = main
     return optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)

@@ -46,7 +46,6 @@ def test_layers_apply_in_order(tmp_path):
         (["--grpo.bogus=1"], "unknown field 'grpo.bogus' (known: num_generations"),
         (["--nosuch.field=1"], "unknown field 'nosuch'"),
         (["--grpo.scale_rewards=std"], "grpo.scale_rewards"),
-        (["--train.steps=5", "--optimizer.warmup_steps=5"], "optimizer.warmup_steps"),
         (["--grpo.epsilon=0.3", "--grpo.epsilon_high=0.1"], "grpo.epsilon_high"),
     ],
 )

@@ -180,3 +180,10 @@ def test_several_iterations_move_the_ratio_and_clip(tiny_model_dir, tmp_path):
     rows = _metrics(tmp_path / "it")
     assert any(abs(r["ratio/mean"] - 1) > 1e-4 for r in rows)
     assert any(r["clip/frac"] > 0 for r in rows)
+
+
+def test_missing_model_is_one_clear_line(tmp_path):
+    from mlx_grpo.models import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"^model.path: /nonexistent/m does not exist"):
+        cmd_train(_args("/nonexistent/m", tmp_path, "x"))
