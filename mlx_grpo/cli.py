@@ -68,11 +68,19 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
     return cfg, run_dir, None
 
 
+def spread(tasks: list, n: int) -> list:
+    """n tasks taken evenly through the list (the eval split interleaves its levels)."""
+    if n >= len(tasks):
+        return tasks
+    return [tasks[i * len(tasks) // n] for i in range(n)]
+
+
 def cmd_train(argv: list[str]) -> int:
     import mlx.core as mx
 
     from mlx_grpo._blas import blas_in_use
     from mlx_grpo.curriculum import make_curriculum
+    from mlx_grpo.evaluate import make_eval_fn
     from mlx_grpo.log import Display
     from mlx_grpo.models import adapter_config, apply_lora, load_model, trainable_count
     from mlx_grpo.recipe import Recipe
@@ -82,7 +90,7 @@ def cmd_train(argv: list[str]) -> int:
     mx.random.seed(cfg.train.seed)
     recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
-    curriculum = make_curriculum(cfg.curriculum, train_tasks, cfg.train.seed)
+    curriculum = make_curriculum(cfg.curriculum, train_tasks, cfg.train.seed, recipe.max_reward)
 
     model, tokenizer = load_model(cfg.model)
     apply_lora(model, cfg.lora, seed=cfg.train.seed)
@@ -92,7 +100,15 @@ def cmd_train(argv: list[str]) -> int:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     adapter_cfg = adapter_config(cfg.lora, model, cfg.model.path)
 
-    display = Display(cfg.train.steps, 0, cfg.output.live, f"{cfg.recipe.name} -> {run_dir}")
+    eval_fn = None
+    if cfg.train.eval_every:
+        eval_tasks = spread(
+            recipe.tasks("eval", cfg.recipe.eval_size, cfg.train.seed), cfg.train.eval_tasks
+        )
+        eval_fn = make_eval_fn(model, tokenizer, recipe, eval_tasks, cfg.rollout)
+
+    start = int(resume_from.name.rsplit("-", 1)[1]) if resume_from else 0
+    display = Display(cfg.train.steps, start, cfg.output.live, f"{cfg.recipe.name} -> {run_dir}")
     device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({blas_in_use()} BLAS)"
     display.info(
         f"model {cfg.model.path} on {device}; LoRA r={cfg.lora.rank} "
@@ -114,6 +130,7 @@ def cmd_train(argv: list[str]) -> int:
                 resume_from=resume_from,
                 callback=display.step,
                 say=display.warn,
+                evaluate_fn=eval_fn,
             )
         except KeyboardInterrupt:
             display.info(f"interrupted; continue with: python -m mlx_grpo train --resume {run_dir}")

@@ -63,6 +63,14 @@ class RolloutConfig(_Section):
         ge=8,
         description="Longer prompts are cut from the left, keeping the generation prompt.",
     )
+    max_turns: int = Field(
+        1, ge=1, description="Multi-turn recipes: most model turns in one episode."
+    )
+    max_episode_tokens: int = Field(
+        2048,
+        ge=16,
+        description="Multi-turn recipes: an episode ends when its context is this long.",
+    )
     temperature: float = Field(0.8, gt=0, description="Sampling temperature (> 0 for RL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
@@ -136,11 +144,59 @@ class TrainConfig(_Section):
     zero_signal_warn_steps: int = Field(
         5, ge=1, description="Warn when every group had equal rewards this many steps running."
     )
+    eval_every: int = Field(
+        0, ge=0, description="Greedy held-out evaluation every N steps (and at the end); 0: off."
+    )
+    eval_tasks: int = Field(
+        48, ge=1, description="Held-out tasks per evaluation (the first N of the eval split)."
+    )
 
 
 class CurriculumConfig(_Section):
-    strategy: Literal["uniform"] = "uniform"
+    strategy: Literal["learnability", "uniform", "filter"] = Field(
+        "learnability",
+        description="'learnability': prioritised replay of tasks whose group rewards vary "
+        "most, new tasks from a bandit over levels (UED); 'uniform': every train task in "
+        "turn; 'filter': DAPO dynamic sampling, roll out more groups than needed and keep "
+        "those with mixed rewards.",
+    )
     levels: list[int] | None = Field(None, description="Train only on these levels.")
+    replay_prob: float = Field(
+        0.5, ge=0, le=1, description="Share of the batch replayed from the scored-task buffer."
+    )
+    buffer_size: int = Field(256, ge=1, description="Scored tasks kept for replay.")
+    staleness: float = Field(
+        0.3, ge=0, le=1, description="Weight of staleness against score in replay priority."
+    )
+    rank_temperature: float = Field(
+        0.3, gt=0, description="Replay priority ~ (1/rank)^(1/T); lower is greedier."
+    )
+    score_ema: float = Field(
+        0.5, gt=0, le=1, description="Weight of a task's newest learnability score."
+    )
+    bandit_lr: float = Field(
+        0.3, gt=0, le=1, description="Step size of the level bandit's value update."
+    )
+    bandit_temperature: float = Field(
+        0.1, gt=0, description="Softmax temperature of the level bandit (values in [0, 1])."
+    )
+    start_levels: int = Field(
+        2, ge=1, description="How many of the lowest levels are unlocked at the start."
+    )
+    window: int = Field(3, ge=1, description="Most levels open for new tasks at once.")
+    unlock_at: float = Field(
+        0.6,
+        gt=0,
+        le=1,
+        description="The window moves up when the top open level's smoothed mean reward "
+        "reaches this share of the best reward.",
+    )
+    retire_at: float = Field(
+        0.95, gt=0, le=1, description="A task whose group scores this share is retired."
+    )
+    filter_oversample: float = Field(
+        2.0, ge=1, description="'filter': groups rolled out per group kept."
+    )
 
 
 class RecipeConfig(_Section):

@@ -25,7 +25,28 @@ KEY_METRICS = (
     "rollout/tokens_per_s",
     "time/rollout_s",
     "time/update_s",
+    "episode/turns_mean",
+    "curriculum/max_level",
+    "curriculum/replay_frac",
+    "curriculum/score_mean",
 )
+
+
+def _extra_keys(m: dict) -> list[str]:
+    """Reward components and held-out figures, shown after the key metrics."""
+    return [
+        k
+        for k in sorted(m)
+        if (k.startswith("reward/") or k.startswith("eval/")) and k not in KEY_METRICS
+    ]
+
+
+def level_mix(m: dict) -> str:
+    """'L1 25% L2 75%' from curriculum/level_N shares."""
+    lv = sorted(
+        (int(k.rsplit("_", 1)[1]), v) for k, v in m.items() if k.startswith("curriculum/level_")
+    )
+    return " ".join(f"L{n} {v:.0%}" for n, v in lv)
 
 
 def truncate_jsonl(path: Path, max_step: int) -> None:
@@ -87,9 +108,10 @@ class Display:
         for k in KEY_METRICS:
             if k in m:
                 table.add_row(k, f"{m[k]:.4g}")
-        for k in sorted(m):
-            if k.startswith("reward/") and k not in KEY_METRICS:
-                table.add_row(k, f"{m[k]:.4g}")
+        for k in _extra_keys(m):
+            table.add_row(k, f"{m[k]:.4g}")
+        if level_mix(m):
+            table.add_row("curriculum levels", level_mix(m))
         spark = _sparkline(self.history[-40:])
         return Group(self.progress, table, f"reward  {spark}") if m else Group(self.progress)
 
@@ -104,12 +126,9 @@ class Display:
             parts = [f"step {step}/{self.total}"] + [
                 f"{k}={metrics[k]:.4g}" for k in KEY_METRICS if k in metrics
             ]
-            comps = [
-                f"{k}={v:.3g}"
-                for k, v in sorted(metrics.items())
-                if k.startswith("reward/") and k not in KEY_METRICS
-            ]
-            self.console.print(" ".join(parts + comps), highlight=False, soft_wrap=True)
+            comps = [f"{k}={metrics[k]:.3g}" for k in _extra_keys(metrics)]
+            mix = [f"levels=[{level_mix(metrics)}]"] if level_mix(metrics) else []
+            self.console.print(" ".join(parts + comps + mix), highlight=False, soft_wrap=True)
 
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]warning:[/] {text}", highlight=False, soft_wrap=True)

@@ -5,6 +5,11 @@
     make_tasks(split: str, n: int, seed: int, **params) -> list[Task]
     reward(task: Task, completion: str) -> float | dict[str, float]
 
+and, for multi-turn recipes (see mlx_grpo/env.py),
+
+    make_env(task: Task) -> Env              # reset() -> str, step(text) -> StepResult
+    reward(task: Task, episode: Episode) -> float | dict[str, float]
+
 Tasks are deterministic in (split, n, seed, params) and the train and eval splits
 never share a task. The run's reward is the weighted sum of the components named in
 `recipe.weights`; components without a weight are logged but not optimised.
@@ -81,6 +86,21 @@ class Recipe:
         self.weights = dict(weights)
         self.params = dict(params)
         self._checked = False
+        self.multi_turn = callable(getattr(self.module, "make_env", None))
+
+    @property
+    def max_reward(self) -> float:
+        """The best weighted reward (components are in [0, 1])."""
+        return sum(w for w in self.weights.values() if w > 0) or 1.0
+
+    def make_env(self, task: Task):
+        return self.module.make_env(task)
+
+    def first_messages(self, task: Task, env=None) -> list[dict]:
+        """The prompt's messages: the task's, then (multi-turn) the env's first observation."""
+        if env is None:
+            return task.messages
+        return [*task.messages, {"role": "user", "content": env.reset()}]
 
     def tasks(self, split: str, n: int, seed: int) -> list[Task]:
         try:
@@ -91,9 +111,10 @@ class Recipe:
             raise ConfigError(f"recipe: {self.name} made no {split} tasks with {self.params}")
         return tasks
 
-    def score(self, task: Task, completion: str) -> Scored:
-        """Weighted reward of one completion. A reward that raises or returns a
-        non-finite value scores 0 on every component and reports the error."""
+    def score(self, task: Task, completion) -> Scored:
+        """Weighted reward of one completion (text, or an Episode for multi-turn
+        recipes). A reward that raises or returns a non-finite value scores 0 on
+        every component and reports the error."""
         try:
             out = self.module.reward(task, completion)
             comps = (

@@ -1,9 +1,14 @@
-"""Group rollouts: G sampled completions for each of B prompts, in one batch.
+"""Group rollouts: G sampled completions (or episodes) for each of B prompts, in one batch.
 
 Each prompt is prefilled once; its KV cache is shared by its G samples, which then
 decode together with every other prompt's samples through mlx_lm's BatchGenerator
 (one forward per new token for all B*G sequences). The sampled token ids are kept
 as they are (never re-tokenised), including the stop token when there is one.
+
+Multi-turn episodes (`play_episodes`) run turn by turn: after each turn every live
+episode's environment answers, its observation is appended as template tokens (masked
+out of the loss), and all live episodes decode their next turn together, each on top of
+its group's shared prompt cache.
 """
 
 from __future__ import annotations
@@ -18,20 +23,28 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_grpo.config import RolloutConfig
+from mlx_grpo.env import Env, Episode
 
 
 @dataclass
 class Completion:
-    """One sampled completion of one prompt."""
+    """One sampled completion of one prompt, or one episode of several turns."""
 
     prompt_index: int
     tokens: list[int]  # sampled ids, stop token included when finish_reason == "stop"
-    text: str  # decoded, without the stop token
-    finish_reason: str  # "stop" (EOS) or "length" (hit max_new_tokens)
+    text: str  # decoded, without the stop token (episodes: the model's replies)
+    finish_reason: str  # "stop" (EOS) or "length" (hit max_new_tokens / the turn limit)
+    # Episodes: 1 where `tokens` holds a model token, 0 for the environment's tokens.
+    loss_mask: list[int] | None = None
+    episode: Episode | None = None
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def model_tokens(self) -> int:
+        return len(self.tokens) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclass
@@ -47,7 +60,7 @@ class Rollout:
 
     @property
     def generated_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.completions)
+        return sum(c.model_tokens for c in self.completions)
 
 
 def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
@@ -77,38 +90,28 @@ def _prefill(model: nn.Module, prompt: list[int]) -> list:
     return cache
 
 
-def generate_groups(
+def _decode(
     model: nn.Module,
     tokenizer,
-    prompts: list[list[int]],
-    group_size: int,
+    tails: list[list[int]],
+    caches: list[list],
     cfg: RolloutConfig,
-    sampler=None,
-) -> Rollout:
-    """Sample `group_size` completions for every prompt, all decoding in one batch."""
-    if not prompts:
-        raise ValueError("generate_groups needs at least one prompt")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt")
-    n = len(prompts) * group_size
-    tic = time.perf_counter()
-    caches = [_prefill(model, p) for p in prompts]
-    prefill_s = time.perf_counter() - tic
-
+    sampler,
+) -> list[tuple[list[int], str]]:
+    """Sample one turn for every sequence: `tails[i]` is fed on top of `caches[i]` (a
+    prompt cache that stays untouched) and decoding starts after it. Returns
+    (sampled ids, finish reason) per sequence."""
+    n = len(tails)
     gen = BatchGenerator(
         model,
         max_tokens=cfg.max_new_tokens,
         stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-        sampler=sampler or make_rollout_sampler(cfg),
+        sampler=sampler,
         completion_batch_size=n,
         prefill_batch_size=n,
     )
     try:
-        owners = [i for i in range(len(prompts)) for _ in range(group_size)]
-        uids = gen.insert(
-            [[prompts[i][-1]] for i in owners],
-            caches=[caches[i] for i in owners],  # shared, never mutated by merge
-        )
+        uids = gen.insert(tails, caches=caches)  # merged into a batch cache: never mutated
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         finish: dict[int, str] = {}
         while responses := gen.next_generated():
@@ -118,11 +121,33 @@ def generate_groups(
                     finish[r.uid] = r.finish_reason
     finally:
         gen.close()
+    return [(tokens[u], "stop" if finish.get(u) == "stop" else "length") for u in uids]
 
+
+def generate_groups(
+    model: nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    group_size: int,
+    cfg: RolloutConfig,
+    sampler=None,
+) -> Rollout:
+    """Sample `group_size` completions for every prompt, all decoding in one batch."""
+    _check_prompts(prompts)
+    tic = time.perf_counter()
+    caches = [_prefill(model, p) for p in prompts]
+    prefill_s = time.perf_counter() - tic
+    owners = [i for i in range(len(prompts)) for _ in range(group_size)]
+    sampled = _decode(
+        model,
+        tokenizer,
+        [[prompts[i][-1]] for i in owners],
+        [caches[i] for i in owners],
+        cfg,
+        sampler or make_rollout_sampler(cfg),
+    )
     completions = []
-    for uid, owner in zip(uids, owners):
-        toks = tokens[uid]
-        reason = finish.get(uid, "length")
+    for owner, (toks, reason) in zip(owners, sampled):
         body = toks[:-1] if reason == "stop" else toks
         completions.append(Completion(owner, toks, tokenizer.decode(body), reason))
     return Rollout(
@@ -132,3 +157,158 @@ def generate_groups(
         seconds=time.perf_counter() - tic,
         prefill_seconds=prefill_s,
     )
+
+
+def _check_prompts(prompts: list[list[int]]) -> None:
+    if not prompts:
+        raise ValueError("generate_groups needs at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+
+
+class TurnTemplate:
+    """The chat template's tokens between the model's reply and its next turn: the
+    end of the assistant turn, a user turn holding the observation, and the
+    generation prompt. Worked out once from the template itself, so any chat model
+    works."""
+
+    _A, _B, _OBS = "\x00A\x00", "\x00B\x00", "\x00OBS\x00"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        two = [{"role": "user", "content": self._A}, {"role": "assistant", "content": self._B}]
+        head = tokenizer.apply_chat_template(two, tokenize=False)
+        full = tokenizer.apply_chat_template(
+            [*two, {"role": "user", "content": self._OBS}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        if not full.startswith(head) or self._B not in head:
+            raise ValueError("multi-turn: the chat template does not extend a conversation")
+        # e.g. "<|im_end|>\n" + "<|im_start|>user\n" | obs | "<|im_end|>\n<|im_start|>assistant\n"
+        self.end_of_reply = head[head.rindex(self._B) + len(self._B) :]
+        self.before_obs, self.after_obs = full[len(head) :].split(self._OBS)
+        self.eos_texts = {t: tokenizer.decode([t]) for t in tokenizer.eos_token_ids}
+
+    def tokens(self, observation: str, reply_tokens: list[int], stopped: bool) -> list[int]:
+        """Tokens to append after a reply (which ended with an EOS token if `stopped`)."""
+        closing = self.end_of_reply
+        if stopped:
+            eos = self.eos_texts.get(reply_tokens[-1], "")
+            if closing.startswith(eos):
+                closing = closing[len(eos) :]
+        text = closing + self.before_obs + observation + self.after_obs
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def play_episodes(
+    model: nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    envs: list[Env],
+    group_size: int,
+    cfg: RolloutConfig,
+    sampler=None,
+) -> Rollout:
+    """Play `group_size` episodes of each prompt's environment, turn by turn.
+
+    `envs` holds one already-reset environment per episode, grouped by prompt
+    (prompt i owns envs[i*G:(i+1)*G]); `prompts[i]` ends with the first observation.
+    Each returned Completion holds every token after the prompt (replies and the
+    environment's answers), with `loss_mask` marking the model's own tokens.
+    """
+    _check_prompts(prompts)
+    if len(envs) != len(prompts) * group_size:
+        raise ValueError(f"play_episodes: {len(envs)} envs for {len(prompts)}x{group_size}")
+    sampler = sampler or make_rollout_sampler(cfg)
+    template = TurnTemplate(tokenizer)
+    tic = time.perf_counter()
+    caches = [_prefill(model, p) for p in prompts]
+    prefill_s = time.perf_counter() - tic
+
+    n = len(envs)
+    owners = [i // group_size for i in range(n)]
+    history: list[list[int]] = [[] for _ in range(n)]  # tokens after the prompt
+    mask: list[list[int]] = [[] for _ in range(n)]
+    episodes = [Episode(env=e) for e in envs]
+    reasons = ["length"] * n
+    live = list(range(n))
+    for turn in range(cfg.max_turns):
+        sampled = _decode(
+            model,
+            tokenizer,
+            [[prompts[owners[i]][-1], *history[i]] for i in live],
+            [caches[owners[i]] for i in live],
+            cfg,
+            sampler,
+        )
+        still = []
+        for i, (toks, reason) in zip(live, sampled):
+            stopped = reason == "stop"
+            text = tokenizer.decode(toks[:-1] if stopped else toks)
+            result = envs[i].step(text)
+            ep = episodes[i]
+            ep.actions.append(text)
+            ep.results.append(result)
+            history[i] += toks
+            mask[i] += [1] * len(toks)
+            reasons[i] = reason
+            if result.done:
+                ep.done = True
+                continue
+            if turn + 1 == cfg.max_turns:
+                reasons[i] = "length"
+                continue
+            extra = template.tokens(result.observation, toks, stopped)
+            if len(prompts[owners[i]]) + len(history[i]) + len(extra) >= cfg.max_episode_tokens:
+                reasons[i] = "length"
+                continue
+            history[i] += extra
+            mask[i] += [0] * len(extra)
+            still.append(i)
+        live = still
+        if not live:
+            break
+
+    completions = [
+        Completion(
+            owners[i],
+            history[i],
+            episodes[i].text,
+            "stop" if episodes[i].done else reasons[i],
+            loss_mask=mask[i],
+            episode=episodes[i],
+        )
+        for i in range(n)
+    ]
+    return Rollout(
+        prompts=prompts,
+        completions=completions,
+        group_size=group_size,
+        seconds=time.perf_counter() - tic,
+        prefill_seconds=prefill_s,
+    )
+
+
+def rollout_tasks(
+    model: nn.Module,
+    tokenizer,
+    recipe,
+    tasks: list,
+    group_size: int,
+    cfg: RolloutConfig,
+    sampler=None,
+) -> Rollout:
+    """G completions (or, for a multi-turn recipe, G episodes) of every task."""
+    if not recipe.multi_turn:
+        prompts = [encode_prompt(tokenizer, t.messages, cfg.max_prompt_tokens) for t in tasks]
+        return generate_groups(model, tokenizer, prompts, group_size, cfg, sampler)
+    envs = [recipe.make_env(t) for t in tasks for _ in range(group_size)]
+    prompts = []
+    for i, task in enumerate(tasks):
+        group = envs[i * group_size : (i + 1) * group_size]
+        firsts = [recipe.first_messages(task, env) for env in group]
+        if any(m != firsts[0] for m in firsts[1:]):
+            raise ValueError(f"recipe {recipe.name}: env.reset() differs between runs of {task.id}")
+        prompts.append(encode_prompt(tokenizer, firsts[0], cfg.max_prompt_tokens))
+    return play_episodes(model, tokenizer, prompts, envs, group_size, cfg, sampler)

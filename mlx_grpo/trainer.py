@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from mlx_grpo.config import OptimizerConfig, RunConfig
-from mlx_grpo.curriculum import UniformCurriculum
+from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.grpo import (
     LossInputs,
     completion_logprobs,
@@ -27,7 +27,7 @@ from mlx_grpo.grpo import (
 from mlx_grpo.log import JsonlWriter, truncate_jsonl
 from mlx_grpo.models import adapters_disabled
 from mlx_grpo.recipe import Recipe, Scored, Task
-from mlx_grpo.rollout import Rollout, encode_prompt, generate_groups, make_rollout_sampler
+from mlx_grpo.rollout import Rollout, make_rollout_sampler, rollout_tasks
 
 
 class TrainingError(RuntimeError):
@@ -58,21 +58,26 @@ def build_loss_inputs(
     advantages: mx.array,
     max_new_tokens: int,
     mask_truncated: bool,
+    groups: list[int] | None = None,
 ) -> LossInputs:
-    """The B prompts, the right-padded [N, C] completions and their loss mask."""
-    comps = rollout.completions
+    """The prompts of `groups` (default: all), their right-padded [N, C] completions
+    and the loss mask (the model's own tokens; never the environment's)."""
+    g = rollout.group_size
+    groups = list(range(len(rollout.prompts))) if groups is None else groups
+    rows = [gi * g + j for gi in groups for j in range(g)]
+    comps = [rollout.completions[r] for r in rows]
     c_max = max(len(c.tokens) for c in comps)
     tokens = np.zeros((len(comps), c_max), dtype=np.int32)
     mask = np.zeros((len(comps), c_max), dtype=np.float32)
     for i, c in enumerate(comps):
         tokens[i, : len(c.tokens)] = c.tokens
         if not (mask_truncated and c.truncated):
-            mask[i, : len(c.tokens)] = 1.0
+            mask[i, : len(c.tokens)] = 1.0 if c.loss_mask is None else c.loss_mask
     return LossInputs(
-        prompts=[mx.array(p) for p in rollout.prompts],
+        prompts=[mx.array(rollout.prompts[gi]) for gi in groups],
         completions=mx.array(tokens),
         mask=mx.array(mask),
-        advantages=advantages,
+        advantages=advantages[mx.array(rows)] if len(rows) != advantages.size else advantages,
         old_logprobs=None,
         ref_logprobs=None,
         max_new_tokens=max_new_tokens,
@@ -105,18 +110,20 @@ def train(
     tokenizer,
     optimizer: optim.Optimizer,
     recipe: Recipe,
-    curriculum: UniformCurriculum,
+    curriculum: Curriculum,
     cfg: RunConfig,
     run_dir: Path,
     adapter_cfg: dict,
     resume_from: Path | None = None,
     callback: Callable[[int, dict], None] | None = None,
     say: Callable[[str], None] = print,
+    evaluate_fn: Callable[[], dict] | None = None,
 ) -> list[dict]:
     """Run GRPO from step 0 (or from `resume_from`) to `cfg.train.steps`.
 
     Returns this call's per-step metrics. `callback(step, metrics)` sees each step's
-    metrics after they are logged; `say` receives warnings.
+    metrics after they are logged; `say` receives warnings; `evaluate_fn()` returns
+    held-out metrics every `train.eval_every` steps.
     """
     g, b = cfg.grpo.num_generations, cfg.train.batch_size
     counters = Counters()
@@ -140,15 +147,15 @@ def train(
         # Sampling (and LoRA dropout) draw from a key fixed by (seed, step), so a resumed
         # run samples exactly what the uninterrupted run would have sampled.
         mx.random.seed(cfg.train.seed * 1_000_003 + step)
-        tasks = curriculum.sample(b)
-        prompts = [
-            encode_prompt(tokenizer, t.messages, cfg.rollout.max_prompt_tokens) for t in tasks
-        ]
+        n_tasks = math.ceil(b * curriculum.oversample)
+        tasks = curriculum.sample(n_tasks)
 
         model.eval()
-        rollout = generate_groups(model, tokenizer, prompts, g, cfg.rollout, sampler)
+        rollout = rollout_tasks(model, tokenizer, recipe, tasks, g, cfg.rollout, sampler)
 
-        scored = [recipe.score(tasks[c.prompt_index], c.text) for c in rollout.completions]
+        scored = [
+            recipe.score(tasks[c.prompt_index], c.episode or c.text) for c in rollout.completions
+        ]
         rewards = np.array([s.reward for s in scored], dtype=np.float32)
         errors = [s.error for s in scored if s.error]
         counters.reward_errors += len(errors)
@@ -157,50 +164,25 @@ def train(
         r_mx = mx.array(rewards)
         advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
         zero_var = np.array(zero_variance_groups(r_mx, g))
-        curriculum.update(tasks, rewards.reshape(b, g).tolist())
+        curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
+        # Groups whose rewards are all equal carry no gradient: leave them out of the
+        # loss (and out of the forward/backward). `filter` trains on at most B groups.
+        train_groups = [i for i in range(n_tasks) if not zero_var[i]][:b]
 
         tic = time.perf_counter()
-        batch = build_loss_inputs(
-            rollout, advantages, cfg.rollout.max_new_tokens, cfg.grpo.mask_truncated_completions
-        )
-        need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
-        if cfg.grpo.beta > 0:
-            with adapters_disabled(model):
-                batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
-        if cfg.grpo.num_iterations > 1:
-            batch.old_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
-        mx.eval(batch.ref_logprobs, batch.old_logprobs)
-
-        model.train()
-        before = dict(tree_flatten(model.trainable_parameters()))
         it_metrics: list[dict] = []
-        for _ in range(cfg.grpo.num_iterations):
-            (loss, m), grads = loss_and_grad(model, batch)
-            grads, grad_norm = optim.clip_grad_norm(grads, cfg.optimizer.max_grad_norm)
-            mx.eval(loss, grad_norm, m)
-            finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
-            if finite:
-                optimizer.update(model, grads)
-                mx.eval(model.trainable_parameters(), optimizer.state)
-                counters.nonfinite_streak = 0
-            else:
-                counters.nonfinite_skipped += 1
-                counters.nonfinite_streak += 1
-                say(f"step {step}: non-finite loss or gradient, update skipped")
-                if counters.nonfinite_streak >= cfg.train.max_nonfinite_steps:
-                    raise TrainingError(
-                        f"{counters.nonfinite_streak} non-finite updates in a row at step "
-                        f"{step}; lower optimizer.learning_rate or check the reward"
-                    )
-            it_metrics.append(
-                {
-                    "loss/total": loss.item(),
-                    "grad_norm": grad_norm.item(),
-                    **{k: v.item() for k, v in m.items()},
-                }
+        delta = 0.0
+        if train_groups:
+            batch = build_loss_inputs(
+                rollout,
+                advantages,
+                cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                cfg.grpo.mask_truncated_completions,
+                train_groups,
             )
-        after = dict(tree_flatten(model.trainable_parameters()))
-        delta = math.sqrt(sum(float(((after[k] - before[k]) ** 2).sum()) for k in after))
+            it_metrics, delta = _update(
+                model, optimizer, loss_and_grad, batch, cfg, counters, step, say
+            )
         update_s = time.perf_counter() - tic
 
         metrics = _step_metrics(step, rollout, scored, rewards, advantages, zero_var, it_metrics)
@@ -210,10 +192,19 @@ def train(
                 "adapter/delta_norm": delta,
                 "reward/errors": len(errors),
                 "nonfinite/skipped": counters.nonfinite_skipped,
+                "groups/trained": len(train_groups),
+                "groups/discarded": n_tasks - len(train_groups),
                 "time/update_s": update_s,
                 "memory/peak_gb": mx.get_peak_memory() / 1e9,
+                **curriculum.metrics(),
             }
         )
+        if (
+            evaluate_fn is not None
+            and cfg.train.eval_every
+            and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+        ):
+            metrics.update(evaluate_fn())
         _warnings(step, metrics, rewards, rollout, zero_var, counters, cfg, say)
         metrics_log.write(metrics)
         if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1):
@@ -230,6 +221,52 @@ def train(
     return history
 
 
+def _update(
+    model, optimizer, loss_and_grad, batch: LossInputs, cfg: RunConfig, counters, step, say
+):
+    """`grpo.num_iterations` clipped AdamW updates on one batch; (metrics, |delta|)."""
+    need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
+    if cfg.grpo.beta > 0:
+        with adapters_disabled(model):
+            batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+    if cfg.grpo.num_iterations > 1:
+        batch.old_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+    mx.eval(batch.ref_logprobs, batch.old_logprobs)
+
+    model.train()
+    before = dict(tree_flatten(model.trainable_parameters()))
+    it_metrics: list[dict] = []
+    for _ in range(cfg.grpo.num_iterations):
+        (loss, m), grads = loss_and_grad(model, batch)
+        grads, grad_norm = optim.clip_grad_norm(grads, cfg.optimizer.max_grad_norm)
+        mx.eval(loss, grad_norm, m)
+        finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+        if finite:
+            optimizer.update(model, grads)
+            mx.eval(model.trainable_parameters(), optimizer.state)
+            counters.nonfinite_streak = 0
+        else:
+            counters.nonfinite_skipped += 1
+            counters.nonfinite_streak += 1
+            say(f"step {step}: non-finite loss or gradient, update skipped")
+            if counters.nonfinite_streak >= cfg.train.max_nonfinite_steps:
+                raise TrainingError(
+                    f"{counters.nonfinite_streak} non-finite updates in a row at step "
+                    f"{step}; lower optimizer.learning_rate or check the reward"
+                )
+        it_metrics.append(
+            {
+                "loss/total": loss.item(),
+                "grad_norm": grad_norm.item(),
+                **{k: v.item() for k, v in m.items()},
+            }
+        )
+    model.eval()
+    after = dict(tree_flatten(model.trainable_parameters()))
+    delta = math.sqrt(sum(float(((after[k] - before[k]) ** 2).sum()) for k in after))
+    return it_metrics, delta
+
+
 def _step_metrics(
     step: int,
     rollout: Rollout,
@@ -239,7 +276,7 @@ def _step_metrics(
     zero_var: np.ndarray,
     it_metrics: list[dict],
 ) -> dict:
-    lens = np.array([len(c.tokens) for c in rollout.completions])
+    lens = np.array([c.model_tokens for c in rollout.completions])
     out = {
         "step": step,
         "reward/mean": float(rewards.mean()),
@@ -248,12 +285,16 @@ def _step_metrics(
         "groups/zero_variance_frac": float(zero_var.mean()),
         "completion/len_mean": float(lens.mean()),
         "completion/truncated_frac": float(np.mean([c.truncated for c in rollout.completions])),
+        "rollout/tokens": rollout.generated_tokens,
         "rollout/tokens_per_s": rollout.generated_tokens / max(rollout.seconds, 1e-9),
         "time/rollout_s": rollout.seconds,
     }
+    episodes = [c.episode for c in rollout.completions if c.episode is not None]
+    if episodes:
+        out["episode/turns_mean"] = float(np.mean([e.turns for e in episodes]))
     for name in scored[0].components:
         out[f"reward/{name}"] = float(np.mean([s.components.get(name, 0.0) for s in scored]))
-    for key in it_metrics[0]:  # averaged over the num_iterations updates
+    for key in it_metrics[0] if it_metrics else ():  # averaged over num_iterations updates
         out[key] = float(np.mean([m[key] for m in it_metrics]))
     return out
 
@@ -270,11 +311,11 @@ def _warnings(step, metrics, rewards, rollout, zero_var, counters: Counters, cfg
                 f"step {step}: no learning signal for {counters.zero_signal_streak} steps "
                 f"(every group's rewards were equal): {cause}"
             )
-    else:
-        counters.zero_signal_streak = 0
-        if metrics["grad_norm"] == 0.0:
-            say(f"step {step}: gradient norm is 0 although some groups had reward variance")
-    grad = metrics["grad_norm"]
+        return  # no update was made
+    counters.zero_signal_streak = 0
+    grad = metrics.get("grad_norm", 0.0)
+    if grad == 0.0:
+        say(f"step {step}: gradient norm is 0 although some groups had reward variance")
     moved = metrics["adapter/delta_norm"] > 0 or not math.isfinite(grad) or grad == 0
     moved = moved or metrics["lr"] == 0
     if not moved and "moved" not in counters.warned:

@@ -1,0 +1,52 @@
+"""Environments: recipes whose tasks are played out over several turns.
+
+A recipe becomes multi-turn by defining `make_env(task) -> Env` in its `tasks.py`.
+An episode's first prompt is the task's messages followed by one user message holding
+`env.reset()`; after each model turn the environment answers with `env.step(action)`,
+whose observation becomes the next user message, until it says `done` or the episode
+reaches `rollout.max_turns`. The reward then sees the whole episode, environment
+state included: `reward(task, episode: Episode)`.
+
+Only the model's tokens are trained on: the environment's observations (and the chat
+template's turn markers around them) are in the sequence the model conditions on, but
+never in the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+
+class StepResult(NamedTuple):
+    observation: str  # shown to the model as the next user message (ignored when done)
+    done: bool  # the episode is over (goal reached, answer given, step limit...)
+    info: dict  # anything the reward or the logs want (parse errors, validity...)
+
+
+@runtime_checkable
+class Env(Protocol):
+    def reset(self) -> str:
+        """Start the episode; the first observation (deterministic for a task)."""
+
+    def step(self, action: str) -> StepResult:
+        """Apply the model's reply for this turn."""
+
+
+@dataclass
+class Episode:
+    """What one sampled episode did, as the reward sees it."""
+
+    env: Any  # the environment in its final state
+    actions: list[str] = field(default_factory=list)  # the model's reply at each turn
+    results: list[StepResult] = field(default_factory=list)  # the env's answer to each
+    done: bool = False  # the environment ended it (False: it ran out of turns)
+
+    @property
+    def text(self) -> str:
+        """The model's replies, one per line (for logs and text-only rewards)."""
+        return "\n".join(self.actions)
+
+    @property
+    def turns(self) -> int:
+        return len(self.actions)

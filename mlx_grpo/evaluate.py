@@ -1,0 +1,99 @@
+"""Held-out evaluation: a recipe's eval tasks played by a model, batched, greedy or
+sampled, single- or multi-turn. Used during training (`train.eval_every`), by
+`python -m mlx_grpo.compare`, and by the benchmarks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_grpo.config import RolloutConfig
+from mlx_grpo.recipe import Recipe, Task
+from mlx_grpo.rollout import make_rollout_sampler, rollout_tasks
+
+
+@dataclass
+class TaskResult:
+    """Every sample's reward (and components) on one task."""
+
+    id: str
+    level: int
+    rewards: list[float]
+    components: dict[str, list[float]]
+    texts: list[str]
+    tokens: list[int]  # model tokens per sample
+    errors: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def evaluate(
+    model: nn.Module,
+    tokenizer,
+    recipe: Recipe,
+    tasks: list[Task],
+    cfg: RolloutConfig,
+    samples: int = 1,
+    temperature: float = 0.0,
+    batch_tasks: int = 16,
+    seed: int = 0,
+) -> list[TaskResult]:
+    """`samples` completions per task: greedy when temperature is 0 (then samples are
+    identical, so use 1), else sampled with `cfg`'s top-p/top-k at `temperature`."""
+    if not tasks:
+        raise ValueError("evaluate: no tasks")
+    if temperature == 0:
+        sampler = make_sampler(temp=0.0)
+    else:
+        sampler = make_rollout_sampler(cfg.model_copy(update={"temperature": temperature}))
+    model.eval()
+    mx.random.seed(seed)
+    out: list[TaskResult] = []
+    for lo in range(0, len(tasks), batch_tasks):
+        chunk = tasks[lo : lo + batch_tasks]
+        rollout = rollout_tasks(model, tokenizer, recipe, chunk, samples, cfg, sampler)
+        results = {t.id: TaskResult(t.id, t.level, [], {}, [], []) for t in chunk}
+        for c in rollout.completions:
+            task = chunk[c.prompt_index]
+            s = recipe.score(task, c.episode or c.text)
+            r = results[task.id]
+            r.rewards.append(s.reward)
+            r.texts.append(c.text)
+            r.tokens.append(c.model_tokens)
+            r.errors += s.error is not None
+            for k, v in s.components.items():
+                r.components.setdefault(k, []).append(v)
+        out.extend(results.values())
+    return out
+
+
+def summarize(results: list[TaskResult], prefix: str = "eval/") -> dict:
+    """Mean reward and components over tasks, overall and per level."""
+    out = {f"{prefix}reward": float(np.mean([np.mean(r.rewards) for r in results]))}
+    names = sorted({k for r in results for k in r.components})
+    for k in names:
+        out[f"{prefix}{k}"] = float(np.mean([np.mean(r.components.get(k, [0.0])) for r in results]))
+    main = "success" if "success" in names else None
+    for level in sorted({r.level for r in results}):
+        at = [r for r in results if r.level == level]
+        key = main or "reward"
+        vals = [np.mean(r.components[key]) if main else np.mean(r.rewards) for r in at]
+        out[f"{prefix}level_{level}/{key}"] = float(np.mean(vals))
+    return out
+
+
+def make_eval_fn(model, tokenizer, recipe: Recipe, tasks: list[Task], cfg: RolloutConfig):
+    """A zero-argument callable for the trainer: greedy eval on `tasks`, summarized."""
+
+    def run() -> dict:
+        tic = time.perf_counter()
+        results = evaluate(model, tokenizer, recipe, tasks, cfg)
+        return {**summarize(results), "time/eval_s": time.perf_counter() - tic}
+
+    return run

@@ -1,0 +1,102 @@
+"""Multi-turn episodes: the sequence the model sees is the chat template's own rendering
+of the conversation, only the model's tokens are trained on, and the loop runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.cli import cmd_train
+from mlx_grpo.config import RolloutConfig
+from mlx_grpo.recipe import Recipe
+from mlx_grpo.rollout import rollout_tasks
+from mlx_grpo.trainer import build_loss_inputs
+
+TOY_ENV = Path(__file__).parent / "data" / "toy_env"
+
+
+def _raw(tokenizer, ids) -> str:
+    return tokenizer._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s."""
+    out, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_episodes_render_exactly_the_chat_template(tiny):
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = recipe.tasks("train", 6, 0)
+    cfg = RolloutConfig(max_new_tokens=6, max_turns=3, temperature=1.0)
+    mx.random.seed(3)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 4, cfg)
+    assert len(rollout.completions) == 24
+    eos = tok.eos_token_id
+    for c in rollout.completions:
+        task = tasks[c.prompt_index]
+        ep = c.episode
+        # Each env ends its episode after payload.turns replies (max_turns is 3).
+        assert ep.turns == task.payload["turns"] and ep.done and c.finish_reason == "stop"
+        replies = [c.tokens[a:b] for a, b in _runs(c.loss_mask)]
+        assert len(replies) == ep.turns and c.model_tokens == sum(map(len, replies))
+        # The whole sequence is what the template gives for the conversation.
+        conv = recipe.first_messages(task, recipe.make_env(task))
+        for reply, result in zip(replies[:-1], ep.results):
+            body = reply[:-1] if reply[-1] == eos else reply
+            conv += [
+                {"role": "assistant", "content": _raw(tok, body)},
+                {"role": "user", "content": result.observation},
+            ]
+        expected = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        expected += _raw(tok, replies[-1])
+        assert _raw(tok, rollout.prompts[c.prompt_index] + c.tokens) == expected
+        assert ep.actions == [tok.decode(r[:-1] if r[-1] == eos else r) for r in replies]
+
+    batch = build_loss_inputs(rollout, mx.zeros(24), 18, False)
+    mask = np.array(batch.mask)
+    for i, c in enumerate(rollout.completions):
+        assert mask[i, : len(c.tokens)].tolist() == c.loss_mask
+        assert not mask[i, len(c.tokens) :].any()
+    assert 0 < mask.sum() < sum(len(c.tokens) for c in rollout.completions)
+
+
+def test_turn_limit_ends_episodes_as_length(tiny):
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = [t for t in recipe.tasks("train", 6, 0) if t.payload["turns"] == 3]
+    cfg = RolloutConfig(max_new_tokens=4, max_turns=2)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 2, cfg)
+    for c in rollout.completions:
+        assert c.episode.turns == 2 and not c.episode.done and c.finish_reason == "length"
+        assert recipe.score(tasks[c.prompt_index], c.episode).components["finished"] == 0.0
+
+
+def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_path):
+    args = [
+        "--recipe",
+        str(TOY_ENV),
+        f"--model.path={tiny_model_dir}",
+        f"--output.dir={tmp_path}",
+        "--output.run=e",
+        "--train.eval_every=3",
+        "--train.eval_tasks=3",
+    ]
+    assert cmd_train(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 1 <= r["episode/turns_mean"] <= 3
+        assert "reward/finished" in r and "curriculum/max_level" in r
+    assert "eval/reward" in rows[-1] and "eval/level_1/reward" in rows[-1]
+    assert (tmp_path / "e" / "adapters.safetensors").exists()
