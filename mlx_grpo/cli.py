@@ -105,7 +105,9 @@ def cmd_train(argv: list[str]) -> int:
         eval_tasks = spread(
             recipe.tasks("eval", cfg.recipe.eval_size, cfg.train.seed), cfg.train.eval_tasks
         )
-        eval_fn = make_eval_fn(model, tokenizer, recipe, eval_tasks, cfg.rollout)
+        eval_fn = make_eval_fn(
+            model, tokenizer, recipe, eval_tasks, cfg.rollout, run_dir / "eval.jsonl"
+        )
 
     start = int(resume_from.name.rsplit("-", 1)[1]) if resume_from else 0
     display = Display(cfg.train.steps, start, cfg.output.live, f"{cfg.recipe.name} -> {run_dir}")

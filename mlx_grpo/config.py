@@ -144,6 +144,12 @@ class TrainConfig(_Section):
     zero_signal_warn_steps: int = Field(
         5, ge=1, description="Warn when every group had equal rewards this many steps running."
     )
+    token_budget: int = Field(
+        0,
+        ge=0,
+        description="Stop once this many rollout tokens were generated (0: no budget); "
+        "for comparing runs at equal sampling cost.",
+    )
     eval_every: int = Field(
         0, ge=0, description="Greedy held-out evaluation every N steps (and at the end); 0: off."
     )

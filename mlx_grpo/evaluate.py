@@ -4,6 +4,7 @@ sampled, single- or multi-turn. Used during training (`train.eval_every`), by
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -88,12 +89,19 @@ def summarize(results: list[TaskResult], prefix: str = "eval/") -> dict:
     return out
 
 
-def make_eval_fn(model, tokenizer, recipe: Recipe, tasks: list[Task], cfg: RolloutConfig):
-    """A zero-argument callable for the trainer: greedy eval on `tasks`, summarized."""
+def make_eval_fn(
+    model, tokenizer, recipe: Recipe, tasks: list[Task], cfg: RolloutConfig, log_path=None
+):
+    """A callable for the trainer: greedy eval on `tasks`, summarized; each call's
+    per-task results are appended to `log_path` (JSONL) when given."""
 
-    def run() -> dict:
+    def run(step: int, extra: dict | None = None) -> dict:
         tic = time.perf_counter()
         results = evaluate(model, tokenizer, recipe, tasks, cfg)
+        if log_path is not None:
+            record = {"step": step, **(extra or {}), "results": [r.to_dict() for r in results]}
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         return {**summarize(results), "time/eval_s": time.perf_counter() - tic}
 
     return run

