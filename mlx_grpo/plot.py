@@ -1,0 +1,114 @@
+"""`python -m mlx_grpo plot checkpoints/<run>`: one PNG of a run's metrics.jsonl.
+
+Four panels over steps: the reward and each of its components (smoothed), held-out
+figures (when `train.eval_every` was set), KL to the reference, and the share of
+each level in the tasks the curriculum drew.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+class PlotError(ValueError):
+    """A run folder that cannot be plotted; one line."""
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise PlotError(f"{path}: not found (is {run_dir} a run folder?)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise PlotError(f"{path}: no steps logged yet")
+    return rows
+
+
+def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    pts = [(r["step"], r[key]) for r in rows if key in r]
+    if not pts:
+        return np.array([]), np.array([])
+    steps, vals = zip(*pts)
+    return np.array(steps), np.array(vals, dtype=float)
+
+
+def _smooth(v: np.ndarray, width: int) -> np.ndarray:
+    if len(v) < 3 or width <= 1:
+        return v
+    width = min(width, len(v))
+    kernel = np.ones(width) / width
+    padded = np.concatenate([np.full(width - 1, v[0]), v])
+    return np.convolve(padded, kernel, mode="valid")
+
+
+def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
+    """Write the PNG (default `<run>/metrics.png`) and return its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("plot needs matplotlib: pip install 'mlx-grpo[plot]'") from None
+    rows = read_metrics(run_dir)
+    out = out or run_dir / "metrics.png"
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    fig.suptitle(f"{run_dir.name}: {len(rows)} steps")
+
+    ax = axes[0, 0]
+    comps = sorted(
+        k
+        for k in {k for r in rows for k in r}
+        if k.startswith("reward/") and k not in ("reward/std", "reward/errors")
+    )
+    for k in comps:
+        s, v = _series(rows, k)
+        ax.plot(
+            s,
+            _smooth(v, smooth),
+            label=k.removeprefix("reward/"),
+            lw=2 if k == "reward/mean" else 1,
+        )
+    ax.set_title(f"training reward and components (moving mean of {smooth})")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+
+    ax = axes[0, 1]
+    evals = sorted({k for r in rows for k in r if k.startswith("eval/") and "/level_" not in k})
+    for k in evals:
+        s, v = _series(rows, k)
+        ax.plot(s, v, marker="o", label=k.removeprefix("eval/"))
+    ax.set_title("held-out (greedy)" if evals else "held-out: not evaluated (train.eval_every=0)")
+    ax.set_xlabel("step")
+    if evals:
+        ax.legend(fontsize=8)
+
+    ax = axes[1, 0]
+    for k, label in (("kl", "KL to reference"), ("entropy", "entropy")):
+        s, v = _series(rows, k)
+        if len(s):
+            ax.plot(s, _smooth(v, smooth), label=label)
+    ax.set_title("KL and entropy (per token)")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+
+    ax = axes[1, 1]
+    levels = sorted(
+        {int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("curriculum/level_")}
+    )
+    if levels:
+        steps = np.array([r["step"] for r in rows])
+        shares = np.array([[r.get(f"curriculum/level_{lv}", 0.0) for r in rows] for lv in levels])
+        shares = np.stack([_smooth(x, smooth) for x in shares])
+        ax.stackplot(steps, shares, labels=[f"level {lv}" for lv in levels])
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8, loc="upper left")
+    ax.set_title("levels drawn by the curriculum")
+    ax.set_xlabel("step")
+
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,347 @@
+"""`python -m mlx_grpo.compare`: its statistics against independent computations on fixed
+synthetic results, a model against itself, end to end on the tiny model (single- and
+multi-turn), and one-line refusals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_grpo import compare as cmp
+from mlx_grpo.cli import cmd_train
+from mlx_grpo.evaluate import TaskResult
+
+DATA = Path(__file__).parent / "data"
+TOY, TOY_ENV = DATA / "toy", DATA / "toy_env"
+
+# Two fixed synthetic result sets: per-task success counts out of 4 samples, so every
+# per-task mean and difference is a multiple of 1/4 (exact sums for the tests below).
+A_SMALL = [0, 1, 2, 0, 3, 1, 0, 2, 4, 1]
+B_SMALL = [1, 3, 2, 2, 4, 1, 1, 4, 4, 0]
+_rng = np.random.default_rng(123)
+A_LARGE = _rng.integers(0, 5, size=40).tolist()
+B_LARGE = np.clip(np.array(A_LARGE) + _rng.integers(-1, 3, size=40), 0, 4).tolist()
+
+
+def _results(counts: list[int], k: int = 4, tag: str = "") -> list[TaskResult]:
+    """TaskResults whose samples succeed (`success` = 1) c out of k times."""
+    out = []
+    for i, c in enumerate(counts):
+        s = [1.0] * c + [0.0] * (k - c)
+        out.append(
+            TaskResult(
+                id=f"t{i}",
+                level=1 + i % 3,
+                rewards=s,
+                components={"success": s},
+                texts=[f"{tag}{i}"] * k,
+                tokens=[3 + i % 5] * k,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------- independent computations
+
+
+def _brute_force_permutation_p(d: list[float]) -> float:
+    """All 2^n sign patterns, plain Python, on exact quarters."""
+    q = [round(x * 4) for x in d]  # integers: no rounding questions
+    obs = abs(sum(q))
+    pats = list(itertools.product((1, -1), repeat=len(q)))
+    return sum(abs(sum(s * x for s, x in zip(pats_i, q))) >= obs for pats_i in pats) / len(pats)
+
+
+def _exact_permutation_p_dp(d: list[float]) -> float:
+    """The exact sign-flip p-value by dynamic programming over integer sums (n = 40:
+    2^40 patterns are too many to list)."""
+    q = [round(x * 4) for x in d]
+    counts = {0: 1}
+    for x in q:
+        nxt: dict[int, int] = {}
+        for s, c in counts.items():
+            for v in (s + x, s - x):
+                nxt[v] = nxt.get(v, 0) + c
+        counts = nxt
+    obs = abs(sum(q))
+    return sum(c for s, c in counts.items() if abs(s) >= obs) / 2 ** len(q)
+
+
+def _sign_test_p(d: list[float]) -> float:
+    """Two-sided binomial test: the probability of every outcome no more likely than the
+    observed number of positives (ties dropped)."""
+    pos, neg = sum(x > 0 for x in d), sum(x < 0 for x in d)
+    m = pos + neg
+    prob = [math.comb(m, j) / 2**m for j in range(m + 1)]
+    return min(1.0, sum(p for p in prob if p <= prob[pos] * (1 + 1e-12)))
+
+
+def _brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+def _percentile(sorted_vals: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), by hand."""
+    pos = q / 100 * (len(sorted_vals) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (pos - lo) * (sorted_vals[hi] - sorted_vals[lo])
+
+
+def _loop_bootstrap(a, b, resamples, seed):
+    """Per-resample means in a Python loop over the same index draws."""
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    ma, mb, md = [], [], []
+    for row in idx.tolist():
+        ma.append(sum(a[i] for i in row) / len(row))
+        mb.append(sum(b[i] for i in row) / len(row))
+        md.append(sum(b[i] - a[i] for i in row) / len(row))
+    return [(_percentile(sorted(m), 2.5), _percentile(sorted(m), 97.5)) for m in (ma, mb, md)]
+
+
+# --------------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize("a_counts,b_counts", [(A_SMALL, B_SMALL), (A_LARGE, B_LARGE)])
+def test_rows_match_independent_computations(a_counts, b_counts):
+    stats = cmp.StatsConfig(resamples=2000, permutations=20_000, seed=7)
+    a, b = _results(a_counts), _results(b_counts)
+    rule = cmp.SuccessRule("success", 1.0)
+    report = cmp.compare_results(a, b, rule, ks=[1, 2, 4], stats=stats)
+    rows = {r["metric"]: r for r in report.rows}
+    assert list(rows) == [
+        "eval/reward",
+        "eval/success",
+        "eval/pass@1",
+        "eval/pass@2",
+        "eval/pass@4",
+        "eval/completion/len_mean",
+    ]
+    va = [c / 4 for c in a_counts]
+    vb = [c / 4 for c in b_counts]
+    d = [y - x for x, y in zip(va, vb)]
+    r = rows["eval/reward"]
+    assert r["a"] == pytest.approx(sum(va) / len(va)) and r["b"] == pytest.approx(sum(vb) / len(vb))
+    assert r["diff"] == pytest.approx(sum(d) / len(d))
+
+    # Bootstrap intervals: the same draws, means and percentiles computed by hand.
+    (a_lo, a_hi), (b_lo, b_hi), (lo, hi) = _loop_bootstrap(va, vb, stats.resamples, stats.seed)
+    assert (r["a_low"], r["a_high"]) == pytest.approx((a_lo, a_hi), abs=1e-12)
+    assert (r["b_low"], r["b_high"]) == pytest.approx((b_lo, b_hi), abs=1e-12)
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx((lo, hi), abs=1e-12)
+    # ... and close to the normal approximation mean +- 1.96 sd / sqrt(n).
+    half = 1.96 * np.std(d, ddof=1) / math.sqrt(len(d))
+    assert r["ci_low"] == pytest.approx(r["diff"] - half, abs=0.45 * half)
+    assert r["ci_high"] == pytest.approx(r["diff"] + half, abs=0.45 * half)
+
+    # p-values: exact by brute force (n = 10) or dynamic programming (n = 40: the
+    # random flips must land within 4 standard errors of the exact value).
+    if len(d) <= stats.exact_max:
+        assert r["p_value"] == pytest.approx(_brute_force_permutation_p(d), abs=1e-12)
+    else:
+        exact = _exact_permutation_p_dp(d)
+        se = math.sqrt(exact * (1 - exact) / stats.permutations) + 1 / stats.permutations
+        assert abs(r["p_value"] - exact) < 4 * se
+    assert r["p_sign"] == pytest.approx(_sign_test_p(d), abs=1e-12)
+
+    # pass@k: every k-subset of each task's 4 samples enumerated.
+    for k in (1, 2, 4):
+        want_a = np.mean([_brute_force_pass_at_k(4, c, k) for c in a_counts])
+        want_b = np.mean([_brute_force_pass_at_k(4, c, k) for c in b_counts])
+        assert rows[f"eval/pass@{k}"]["a"] == pytest.approx(want_a, abs=1e-12)
+        assert rows[f"eval/pass@{k}"]["b"] == pytest.approx(want_b, abs=1e-12)
+
+    wins = report.wins
+    assert wins == {
+        "b": sum(y > x for x, y in zip(a_counts, b_counts)),
+        "tie": sum(y == x for x, y in zip(a_counts, b_counts)),
+        "a": sum(y < x for x, y in zip(a_counts, b_counts)),
+    }
+    # Per level: the same row computed on that level's tasks alone.
+    for lv in (1, 2, 3):
+        at = [i for i in range(len(a)) if a[i].level == lv]
+        row = next(x for x in report.levels if x["metric"] == f"eval/level_{lv}/reward")
+        assert row["n"] == len(at)
+        assert row["diff"] == pytest.approx(np.mean([d[i] for i in at]))
+        (lo, hi) = _loop_bootstrap([va[i] for i in at], [vb[i] for i in at], 2000, 7)[2]
+        assert (row["ci_low"], row["ci_high"]) == pytest.approx((lo, hi), abs=1e-12)
+    # Shown side by side: the tasks with the largest differences, largest first.
+    gaps = [abs(x["b_reward"] - x["a_reward"]) for x in report.differ]
+    assert len(gaps) == 3 and gaps == sorted(gaps, reverse=True) and gaps[0] == max(map(abs, d))
+
+
+def test_small_cases():
+    assert cmp.permutation_p([0.0] * 30) == 1.0  # the random path, all tied
+    assert cmp.sign_test_p([0.0, 0.0]) == 1.0
+    assert cmp.sign_test_p([1, 1, 1, 1, 1, 1, -1]) == pytest.approx(16 / 128)
+    assert cmp.pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert cmp.pass_at_k(5, 5, 3) == 1.0
+    with pytest.raises(ValueError):
+        cmp.pass_at_k(4, 1, 5)
+
+
+def test_identical_sides_give_zero_difference():
+    a = _results(A_LARGE)
+    report = cmp.compare_results(a, a, cmp.SuccessRule("reward", 1.0), ks=[1])
+    for r in report.rows + report.levels:
+        assert r["diff"] == 0 and r["ci_low"] == 0 and r["ci_high"] == 0
+        assert r["p_value"] == 1 and r["p_sign"] == 1
+    assert report.wins == {"b": 0, "tie": 40, "a": 0} and report.differ == []
+
+
+# ------------------------------------------------------------------ tiny model, CLI
+
+
+def _compare(capsys, *argv) -> tuple[dict, str]:
+    from rich.console import Console
+
+    data = cmp.run_compare([str(x) for x in argv], Console(width=160, force_terminal=False))
+    return data, capsys.readouterr().out
+
+
+def test_model_against_itself(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "self"
+    data, printed = _compare(
+        capsys, "--a", tiny_model_dir, "--b", tiny_model_dir, "--recipe", TOY,
+        "--n-tasks", 4, "--out", out,
+    )  # fmt: skip
+    print(printed)  # the terminal table, for `pytest -s`
+    assert (out / "compare.json").exists() and (out / "compare.png").stat().st_size > 1000
+    saved = json.loads((out / "compare.json").read_text())
+    assert saved["rows"] == data["rows"] and len(saved["tasks"]) == 4
+    for r in saved["rows"]:
+        assert {"metric", "a", "b", "diff", "ci_low", "ci_high", "p_value"} <= r.keys()
+        assert r["a"] == r["b"] and r["ci_low"] <= 0 <= r["ci_high"] and r["p_value"] == 1
+    assert all(t["a"] == t["b"] for t in saved["tasks"])
+    assert saved["wins"] == {"b": 0, "tie": 4, "a": 0}
+    assert [r["metric"] for r in saved["rows"]][:3] == ["eval/reward", "eval/ascii", "eval/short"]
+    assert "B vs A" in printed and "eval/reward" in printed and "tie on 4" in printed
+
+
+@pytest.fixture(scope="module")
+def toy_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """Two training steps on the toy recipe, a checkpoint after each."""
+    out = tmp_path_factory.mktemp("runs")
+    args = ["--recipe", str(TOY), f"--model.path={tiny_model_dir}", f"--output.dir={out}"]
+    assert cmd_train([*args, "--output.run=toy", "--train.steps=2", "--output.save_every=1"]) == 0
+    return out / "toy"
+
+
+def test_run_checkpoint_against_its_base(tiny_model_dir, toy_run, capsys):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    run = toy_run
+    data, printed = _compare(
+        capsys, "--a", tiny_model_dir, "--b", f"{run}@step-000001", "--n-tasks", 4
+    )
+    # The recipe came from the run; the report went to the run's folder.
+    assert data["recipe"]["name"] == str(TOY) and data["eval"]["n_tasks"] == 4
+    assert data["sides"]["b"]["step"] == 1 and data["sides"]["b"]["adapter"].endswith("step-000001")
+    assert (run / "compare" / "compare.json").exists() and (
+        run / "compare" / "compare.png"
+    ).exists()
+    assert json.loads((run / "compare.json").read_text())["rows"] == data["rows"]
+    assert "note:" not in printed
+
+    # The same checkpoint named three ways; the run folder itself means its latest.
+    for spec in (f"{run}@1", str(run / "step-000001")):
+        side = cmp.resolve_side("b", spec)
+        assert (side.adapter, side.run_dir, side.step) == (run / "step-000001", run, 1)
+    assert cmp.resolve_side("b", str(run)).step == 2
+
+    # B is the base with that step's adapters in place, as mlx_lm.load(adapter_path=) does.
+    model, _ = cmp.load_side(cmp.resolve_side("b", f"{run}@step-000001"))
+    saved = mx.load(str(run / "step-000001" / "adapters.safetensors"))
+    params = dict(tree_flatten(model.parameters()))
+    assert saved and all(mx.array_equal(params[k], v).item() for k, v in saved.items())
+    assert any(k.endswith("lora_b") and mx.abs(v).max().item() > 0 for k, v in saved.items())
+
+
+def test_multi_turn_recipe_sampled(tiny_model_dir, toy_run, tmp_path, capsys):
+    out = tmp_path / "env"
+    data, printed = _compare(
+        capsys, "--a", tiny_model_dir, "--b", toy_run, "--recipe", TOY_ENV,
+        "--samples", 2, "--temperature", 1.0, "--n-tasks", 3, "--out", out,
+    )  # fmt: skip
+    print(printed)
+    assert "note: B was trained on recipe" in printed and "up to 3 turns" in printed
+    assert (out / "compare.json").exists() and (out / "compare.png").exists()
+    assert data["sides"]["b"]["step"] == 2 and data["rollout"]["max_turns"] == 3
+    metrics = [r["metric"] for r in data["rows"]]
+    assert {"eval/finished", "eval/short", "eval/pass@1", "eval/pass@2"} <= set(metrics)
+    assert all(len(t["a"]["rewards"]) == 2 == len(t["b"]["rewards"]) for t in data["tasks"])
+    assert [t["level"] for t in data["tasks"]] == [1, 2, 3]
+    assert [x["level"] for x in data["levels"][::2]] == [1, 2, 3]
+
+
+def test_cli_module_end_to_end(tiny_model_dir, tmp_path):
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_grpo.compare", "--a", str(tiny_model_dir), "--b",
+         str(tiny_model_dir), "--recipe", str(TOY), "--n-tasks", "2", "--out", str(out),
+         "--rollout.max_new_tokens=4"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "compare.json").exists() and (out / "compare.png").exists()
+    assert json.loads((out / "compare.json").read_text())["rollout"]["max_new_tokens"] == 4
+
+
+def _fake_run(folder: Path, recipe: Path) -> Path:
+    from mlx_grpo.config import build_config
+    from mlx_grpo.recipe import recipe_defaults
+
+    folder.mkdir(parents=True)
+    cfg = build_config(recipe_defaults(str(recipe)))
+    (folder / "config.json").write_text(cfg.model_dump_json())
+    (folder / "adapters.safetensors").write_bytes(b"")
+    (folder / "adapter_config.json").write_text("{}")
+    return folder
+
+
+def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
+    from conftest import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "other")
+    tok_cfg = other / "tokenizer_config.json"
+    tok_cfg.write_text(tok_cfg.read_text().replace("<|im_start|>{{ message", "### {{ message"))
+    m = str(tiny_model_dir)
+    cases = {
+        "no such run or model folder": ["--a", m, "--b", str(tmp_path / "nope" / "run")],
+        "the eval set is empty": ["--a", m, "--b", m, "--recipe", str(TOY), "--n-tasks", "0"],
+        "greedy samples are identical": ["--a", m, "--b", m, "--recipe", str(TOY), "--samples", "4"],
+        "tokenize the prompts differently": ["--a", m, "--b", str(other), "--recipe", str(TOY)],
+        "different recipe": [
+            "--a", str(_fake_run(tmp_path / "r1", TOY)), "--b", str(_fake_run(tmp_path / "r2", TOY_ENV)),
+        ],
+        "--recipe NAME is needed": ["--a", m, "--b", m],
+        "no checkpoint 'step-000009'": ["--a", m, "--b", f"{tmp_path / 'r1'}@step-000009"],
+        "the following arguments are required: --b": ["--a", m],
+        "compare takes only": ["--a", m, "--b", m, "--recipe", str(TOY), "--train.steps=3"],
+        "no component 'nope'": ["--a", m, "--b", m, "--recipe", str(TOY), "--n-tasks", "1",
+                                "--success-key", "nope", "--out", str(tmp_path / "x")],
+    }  # fmt: skip
+    for want, argv in cases.items():
+        with pytest.raises(SystemExit) as e:
+            cmp.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (want, err)
+        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (want, err)
+
+    # And through `python -m`: one line on stderr, exit status 2.
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_grpo.compare", "--a", "default", "--b", "/nonexistent/run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: --b /nonexistent/run: no such run or model folder")
