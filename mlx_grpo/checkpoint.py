@@ -94,6 +94,16 @@ def save_checkpoint(
     return final
 
 
+def saved_step(folder: Path) -> int | None:
+    """The step a step folder (its state.json) or a run folder (its `latest` pointer)
+    holds, or None when there is none to read."""
+    name = "state.json" if folder.name.startswith(STEP_PREFIX) else "latest"
+    try:
+        return int(json.loads((folder / name).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def latest_step_dir(run_dir: Path) -> Path | None:
     """The newest complete step folder (from `latest`, else by name), or None."""
     pointer = run_dir / "latest"

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_grpo.checkpoint import saved_step
 from mlx_grpo.config import ConfigError, ModelConfig, RunConfig, build_config, parse_overrides
 from mlx_grpo.evaluate import TaskResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults, recipe_dir
@@ -361,13 +362,6 @@ def _is_run_dir(path: Path) -> bool:
         return False
 
 
-def _step_number(step_dir: Path) -> int | None:
-    try:
-        return int(json.loads((step_dir / "state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def _check_adapter(path: Path, what: str) -> None:
     missing = [
         f for f in ("adapters.safetensors", "adapter_config.json") if not (path / f).exists()
@@ -423,14 +417,7 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
     if not (folder / "adapters.safetensors").exists():
         raise CompareError(f"{opt}: {folder} has no adapters.safetensors (no checkpoint saved yet)")
     _check_adapter(folder, opt)
-    if step_dir is not None:
-        step = _step_number(step_dir)
-    else:
-        try:
-            step = int(json.loads((run_dir / "latest").read_text())["step"])
-        except (OSError, ValueError, KeyError):
-            step = None
-    return Side(flag, spec, cfg.model, folder, run_dir, cfg, step)
+    return Side(flag, spec, cfg.model, folder, run_dir, cfg, saved_step(folder))
 
 
 def _with_adapter(side: Side, adapter: str | None) -> Side:

@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from mlx_grpo.checkpoint import saved_step
 from mlx_grpo.config import ConfigError, RunConfig, build_config
 
 FORMATS = ("peft", "merged", "base")
@@ -138,11 +139,9 @@ def _read_json(path: Path):
 def _last_step(run_dir: Path, folder: Path) -> int | None:
     """Steps behind the adapters in `folder`: a step folder's state.json, else the run's
     `latest` pointer, else the last record of metrics.jsonl."""
+    if folder != run_dir or (run_dir / "latest").exists():
+        return saved_step(folder)
     try:
-        if folder != run_dir:
-            return int(json.loads((folder / "state.json").read_text())["step"])
-        if (run_dir / "latest").exists():
-            return int(json.loads((run_dir / "latest").read_text())["step"])
         lines = (run_dir / "metrics.jsonl").read_text().split("\n")
         return int(json.loads([x for x in lines if x.strip()][-1])["step"])
     except (OSError, ValueError, KeyError, IndexError, TypeError):
