@@ -97,10 +97,11 @@ def _decode(
     caches: list[list],
     cfg: RolloutConfig,
     sampler,
-) -> list[tuple[list[int], str]]:
+) -> list[tuple[list[int], str, list]]:
     """Sample one turn for every sequence: `tails[i]` is fed on top of `caches[i]` (a
-    prompt cache that stays untouched) and decoding starts after it. Returns
-    (sampled ids, finish reason) per sequence."""
+    cache that stays untouched) and decoding starts after it. Returns (sampled ids,
+    finish reason, the sequence's own cache) per sequence; that cache holds
+    `caches[i]`, the tail and every sampled id, so a next turn feeds only what follows."""
     n = len(tails)
     gen = BatchGenerator(
         model,
@@ -114,14 +115,19 @@ def _decode(
         uids = gen.insert(tails, caches=caches)  # merged into a batch cache: never mutated
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         finish: dict[int, str] = {}
+        done_cache: dict[int, list] = {}
         while responses := gen.next_generated():
             for r in responses:
                 tokens[r.uid].append(r.token)
                 if r.finish_reason is not None:
                     finish[r.uid] = r.finish_reason
+                    done_cache[r.uid] = r.prompt_cache
     finally:
         gen.close()
-    return [(tokens[u], "stop" if finish.get(u) == "stop" else "length") for u in uids]
+    return [
+        (tokens[u], "stop" if finish.get(u) == "stop" else "length", done_cache.get(u))
+        for u in uids
+    ]
 
 
 def generate_groups(
@@ -147,7 +153,7 @@ def generate_groups(
         sampler or make_rollout_sampler(cfg),
     )
     completions = []
-    for owner, (toks, reason) in zip(owners, sampled):
+    for owner, (toks, reason, _) in zip(owners, sampled):
         body = toks[:-1] if reason == "stop" else toks
         completions.append(Completion(owner, toks, tokenizer.decode(body), reason))
     return Rollout(
@@ -232,18 +238,18 @@ def play_episodes(
     mask: list[list[int]] = [[] for _ in range(n)]
     episodes = [Episode(env=e) for e in envs]
     reasons = ["length"] * n
+    # What each live episode feeds next, on top of its cache: first the prompt's last
+    # token on the group's prompt cache, then the environment's answer on the episode's
+    # own cache (prompt + every turn so far), so no token is ever prefilled twice.
+    tails = [[prompts[owners[i]][-1]] for i in range(n)]
+    state = [caches[owners[i]] for i in range(n)]
     live = list(range(n))
     for turn in range(cfg.max_turns):
         sampled = _decode(
-            model,
-            tokenizer,
-            [[prompts[owners[i]][-1], *history[i]] for i in live],
-            [caches[owners[i]] for i in live],
-            cfg,
-            sampler,
+            model, tokenizer, [tails[i] for i in live], [state[i] for i in live], cfg, sampler
         )
         still = []
-        for i, (toks, reason) in zip(live, sampled):
+        for i, (toks, reason, cache) in zip(live, sampled):
             stopped = reason == "stop"
             text = tokenizer.decode(toks[:-1] if stopped else toks)
             result = envs[i].step(text)
@@ -253,6 +259,7 @@ def play_episodes(
             history[i] += toks
             mask[i] += [1] * len(toks)
             reasons[i] = reason
+            state[i] = None  # free finished episodes' caches as we go
             if result.done:
                 ep.done = True
                 continue
@@ -265,6 +272,7 @@ def play_episodes(
                 continue
             history[i] += extra
             mask[i] += [0] * len(extra)
+            tails[i], state[i] = extra, cache
             still.append(i)
         live = still
         if not live:

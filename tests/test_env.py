@@ -71,6 +71,37 @@ def test_episodes_render_exactly_the_chat_template(tiny):
     assert 0 < mask.sum() < sum(len(c.tokens) for c in rollout.completions)
 
 
+def test_a_turn_continues_on_the_cache_of_the_previous_one(tiny):
+    """`_decode` hands back each sequence's own cache (its start cache, its tail and
+    every sampled id): decoding the next turn on it gives the log-probs of one plain
+    forward over the whole sequence, for sequences of different lengths in a batch."""
+    from mlx_grpo.rollout import _decode, _prefill
+
+    model, tok = tiny
+    eos = sorted(tok.eos_token_ids)
+    seen: list[mx.array] = []
+
+    def sampler(logprobs):  # greedy, never EOS (the batch keeps its rows), recorded
+        seen.append(logprobs)
+        return mx.argmax(logprobs - 1e9 * (mx.arange(logprobs.shape[-1]) == eos[0]), axis=-1)
+
+    cfg = RolloutConfig(max_new_tokens=4)
+    prompts = [tok.encode("a short prompt"), tok.encode("another, much longer prompt here")]
+    caches = [_prefill(model, p) for p in prompts]
+    first = _decode(model, tok, [[p[-1]] for p in prompts], caches, cfg, sampler)
+    obs = [tok.encode(" then this"), tok.encode(" and then that, observed")]
+    seen.clear()
+    second = _decode(model, tok, obs, [c for _, _, c in first], cfg, sampler)
+    for i, p in enumerate(prompts):
+        seq = p + first[i][0] + obs[i] + second[i][0]
+        logits = model(mx.array(seq)[None])[0].astype(mx.float32)
+        ref = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        start = len(p) + len(first[i][0]) + len(obs[i]) - 1  # predicts the first new id
+        for step in range(cfg.max_new_tokens):
+            got = seen[step][i]
+            assert mx.allclose(got, ref[start + step], atol=1e-4).item(), (i, step)
+
+
 def test_turn_limit_ends_episodes_as_length(tiny):
     model, tok = tiny
     recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
