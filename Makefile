@@ -26,7 +26,7 @@ PARITY_TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==
 PARITY_REQS  := $(PARITY_TORCH) transformers>=4.56,<6 peft>=0.17,<1 safetensors numpy
 PARITY_STAMP := $(PARITY_VENV)/.installed-$(shell echo '$(PARITY_REQS)' | cksum | cut -d' ' -f1)
 
-.PHONY: install system-deps train test lint clean-venv parity-env
+.PHONY: install system-deps train test lint clean-venv parity-env bench-curriculum
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ train: $(STAMP)
 
 test: $(STAMP) $(PARITY_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Curriculum strategies at an equal rollout-token budget (hours on a 2-core CPU; minutes
+# on a Mac). Options: BENCH_ARGS="--seeds 0,1 --token-budget 8000 ..." (see the module).
+bench-curriculum: $(STAMP)
+	$(PY) -m mlx_grpo.bench_curriculum $(BENCH_ARGS)
 
 parity-env: $(PARITY_STAMP)
 

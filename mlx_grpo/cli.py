@@ -133,6 +133,7 @@ def cmd_train(argv: list[str]) -> int:
                 callback=display.step,
                 say=display.warn,
                 evaluate_fn=eval_fn,
+                info=display.info,
             )
         except KeyboardInterrupt:
             display.info(f"interrupted; continue with: python -m mlx_grpo train --resume {run_dir}")

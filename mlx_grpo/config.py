@@ -171,6 +171,12 @@ class CurriculumConfig(_Section):
         0.5, ge=0, le=1, description="Share of the batch replayed from the scored-task buffer."
     )
     buffer_size: int = Field(256, ge=1, description="Scored tasks kept for replay.")
+    replay_min_score: float = Field(
+        1e-4,
+        ge=0,
+        description="Only tasks scoring above this are replayed: a task whose G rewards "
+        "were all equal gave no gradient, and replaying it would give none again.",
+    )
     staleness: float = Field(
         0.3, ge=0, le=1, description="Weight of staleness against score in replay priority."
     )

@@ -12,7 +12,9 @@ resumed run draws exactly the tasks the uninterrupted run would have drawn.
 - Scored tasks sit in a replay buffer. A share `replay_prob` of each batch is replayed
   from it with Prioritized Level Replay's rule (arXiv 2010.03934): probability
   (1 - staleness) * rank priority + staleness * steps-since-last-seen, rank priority
-  (1/rank)^(1/T). When the buffer is full, a new task evicts the lowest score.
+  (1/rank)^(1/T), among the tasks scoring above `replay_min_score` (a group whose
+  rewards were all equal carries no gradient). When the buffer is full, a new task
+  evicts the lowest score.
 - The rest of the batch is new tasks. Their level is drawn by a bandit over the open
   levels (Self-Evolving Curriculum, arXiv 2505.14970): a level's value is a moving
   average of the mean |advantage| its groups produced, and levels are drawn by softmax.
@@ -146,14 +148,16 @@ class LearnabilityCurriculum:
 
     def sample(self, n: int) -> list[Task]:
         self.step += 1
-        replayable = list(self.buffer)
-        k = int(self.rng.binomial(n, self.cfg.replay_prob)) if len(replayable) >= n else 0
+        floor = self.cfg.replay_min_score
+        replayable = [t for t, e in self.buffer.items() if e[0] > floor]
+        k = int(self.rng.binomial(n, self.cfg.replay_prob))
+        k = min(k, len(replayable))
         picked = self._replay(replayable, k) if k else []
         chosen = set(picked)
         for _ in range(n - k):
             tid = self._new_task(chosen)
             if tid is None:  # every open task is in the buffer, retired, or taken
-                rest = [t for t in replayable if t not in chosen]
+                rest = [t for t in self.buffer if t not in chosen]
                 if not rest:
                     raise ValueError("curriculum: no task left to sample")
                 tid = self._replay(rest, 1)[0]

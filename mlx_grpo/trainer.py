@@ -119,12 +119,14 @@ def train(
     callback: Callable[[int, dict], None] | None = None,
     say: Callable[[str], None] = print,
     evaluate_fn: Callable[[int, dict], dict] | None = None,
+    info: Callable[[str], None] = print,
 ) -> list[dict]:
     """Run GRPO from step 0 (or from `resume_from`) to `cfg.train.steps`.
 
     Returns this call's per-step metrics. `callback(step, metrics)` sees each step's
-    metrics after they are logged; `say` receives warnings; `evaluate_fn()` returns
-    held-out metrics every `train.eval_every` steps (`evaluate_fn(step, info)`).
+    metrics after they are logged; `say` receives warnings and `info` notes; `evaluate_fn()`
+    returns held-out metrics before training and every `train.eval_every` steps
+    (`evaluate_fn(step, extra)`).
     """
     g, b = cfg.grpo.num_generations, cfg.train.batch_size
     counters = Counters()
@@ -139,6 +141,12 @@ def train(
         truncate_jsonl(run_dir / "metrics.jsonl", start)
         truncate_jsonl(run_dir / "samples.jsonl", start)
         truncate_jsonl(run_dir / "eval.jsonl", start)
+
+    if evaluate_fn and cfg.train.eval_every and start == 0:
+        # The base model's held-out figures: where the curves in eval.jsonl start.
+        base = evaluate_fn(0, {"rollout_tokens": 0})
+        shown = {k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"}
+        info(f"held-out before training: {shown}")
 
     loss_and_grad = nn.value_and_grad(model, lambda m, batch: grpo_loss(m, batch, cfg.grpo))
     sampler = make_rollout_sampler(cfg.rollout)

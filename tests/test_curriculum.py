@@ -151,3 +151,15 @@ def test_every_strategy_reports_its_figures(strategy):
         assert key in m
     assert abs(sum(v for k, v in m.items() if k.startswith("curriculum/level_")) - 1) < 1e-9
     assert cur.oversample == (2.0 if strategy == "filter" else 1.0)
+
+
+def test_tasks_that_gave_no_gradient_are_not_replayed():
+    """When every group so far had equal rewards, the batch is all new tasks."""
+    cfg = CurriculumConfig(start_levels=3, replay_prob=1.0)
+    cur = LearnabilityCurriculum(_tasks(), cfg, seed=0)
+    zeros = _run(cur, 5, rewards=lambda t, rng: [0.0] * 8)
+    assert len(cur.buffer) == 20 and cur.last_replayed == 0
+    assert len({t.id for batch in zeros for t in batch}) == 20  # nothing drawn twice
+    tasks = cur.sample(4)  # one learnable group: from now on it is replayed
+    cur.update(tasks, [[0.0, 1.0] * 4] + [[0.0] * 8] * 3)
+    assert cur.sample(4)[0].id == tasks[0].id and cur.last_replayed == 1

@@ -131,8 +131,9 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
         assert "reward/finished" in r and "curriculum/max_level" in r
     assert "eval/reward" in rows[-1] and "eval/level_1/reward" in rows[-1]
     evals = [json.loads(x) for x in (tmp_path / "e" / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [3] and len(evals[0]["results"]) == 3
-    assert evals[0]["rollout_tokens"] == rows[-1]["rollout/tokens_total"]
+    assert [e["step"] for e in evals] == [0, 3] and len(evals[-1]["results"]) == 3
+    assert evals[0]["rollout_tokens"] == 0
+    assert evals[-1]["rollout_tokens"] == rows[-1]["rollout/tokens_total"]
     assert (tmp_path / "e" / "adapters.safetensors").exists()
 
 

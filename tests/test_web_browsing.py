@@ -15,6 +15,7 @@ from mlx_grpo.config import build_config
 from mlx_grpo.env import Episode, StepResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults
 from recipes.web_browsing import browser, page
+from recipes.web_browsing.families import NEEDED
 from recipes.web_browsing.page import Action, find_action, parse_action, syntax_error
 from recipes.web_browsing.sites import site_fingerprint
 from recipes.web_browsing.tasks import LEVELS, make_env, make_tasks, reward, system_prompt
@@ -428,6 +429,18 @@ def test_prompts_are_short_and_shared_within_a_level(train):
     assert 'stop "answer"' in system_prompt(2) and "type [id]" in system_prompt(3)
 
 
+def test_worked_examples_show_well_formed_replies_for_the_family_s_actions(train):
+    for task in train[:60]:
+        demo = task.messages[1:]
+        replies = [m["content"] for m in demo if m["role"] == "assistant"]
+        assert replies and all(syntax_error(r) is None for r in replies)
+        shown = {r.split()[0] for r in replies}
+        assert shown == set(NEEDED[task.payload["family"], task.payload["difficulty"]]) - {"back"}
+        for m in demo:
+            if m["role"] == "user":  # in the environment's own words and layout
+                assert "\nPage: Demo > " in m["content"] or m["content"].startswith("Page: ")
+
+
 def test_recipe_loads_and_scores_a_golden_episode_at_the_top():
     defaults = recipe_defaults("web_browsing")
     cfg = build_config(defaults)
@@ -439,7 +452,10 @@ def test_recipe_loads_and_scores_a_golden_episode_at_the_top():
     for task in recipe.tasks("eval", 12, 0):
         env = recipe.make_env(task)
         messages = recipe.first_messages(task, env)
-        assert [m["role"] for m in messages] == ["system", "user"]
+        roles = [m["role"] for m in messages]
+        assert roles[0] == "system" and roles[1:] == ["user", "assistant"] * (
+            len(roles) // 2 - 1
+        ) + ["user"]
         results = [env.step(a) for a in task.payload["solution"]]
         episode = Episode(env, list(task.payload["solution"]), results, True)
         scored = recipe.score(task, episode)

@@ -61,8 +61,71 @@ ACTION_HELP = {
 
 def system_prompt(level: int) -> str:
     """The instructions for `level`: the grammar of the actions its families need."""
-    needed = {verb for fam in LEVELS[level] for verb in NEEDED[fam]}
-    return "\n".join([INTRO, *(ACTION_HELP[v] for v in VERBS if v in needed)])
+    return "\n".join([INTRO, *(ACTION_HELP[v] for v in VERBS if v in level_verbs(level))])
+
+
+def level_verbs(level: int) -> set[str]:
+    return {verb for fam in LEVELS[level] for verb in NEEDED[fam]}
+
+
+# Worked examples, shown as earlier turns of the conversation: a small model copies a
+# demonstrated reply far more reliably than it follows a described grammar. They are
+# on a made-up "Demo" site, in the environment's own words.
+def _form_page(city: str, cycle: str | None) -> str:
+    lines = ["Page: Demo > Settings > Address", f'[4] textbox "City" value="{city}"']
+    if cycle is not None:
+        lines.append(f'[5] combobox "Billing cycle" value="{cycle}" options=["Monthly","Yearly"]')
+    return "\n".join([*lines, '[6] button "Save"', '[7] button "Cancel"'])
+
+
+def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
+    """(observation, reply) pairs demonstrating `verbs`: a click, a form (type, then
+    select when needed, then submit), a stop with an answer."""
+    turns = []
+    if "click" in verbs and "type" not in verbs:  # a form's example ends with a click
+        turns.append(
+            (
+                'Goal: Click "Archive file".\nPage: Demo > Files\n'
+                '[1] button "Rename file"\n[2] button "Archive file"\n[3] button "Share file"',
+                "click [2]",
+            )
+        )
+    if "type" in verbs:
+        select = "select" in verbs
+        goal = 'Goal: Type "Oslo" in "City", ' + (
+            'select "Monthly" in "Billing cycle", ' if select else ""
+        )
+        cycle = "Yearly" if select else None
+        turns.append(
+            (goal + 'then click "Save".\n' + _form_page("Paris", cycle), 'type [4] "Oslo"')
+        )
+        last = 'Typed "Oslo" into [4] "City".'
+        if select:
+            turns.append((f"{last}\n{_form_page('Oslo', 'Yearly')}", 'select [5] "Monthly"'))
+            last = 'Selected "Monthly" in [5] "Billing cycle".'
+        turns.append((f"{last}\n{_form_page('Oslo', 'Monthly' if select else None)}", "click [6]"))
+    if "stop" in verbs:
+        turns.append(
+            (
+                "Goal: Answer the question: How long are backups kept?\nPage: Demo > Docs\n"
+                'text "Exports are ready within 2 hours."\ntext "Backups are kept for 45 days."',
+                'stop "45 days"',
+            )
+        )
+    return turns
+
+
+def task_messages(level: int, family: str, difficulty: int) -> list[dict]:
+    """The level's instructions, then worked examples of the actions the family needs."""
+    demo = demo_turns(set(NEEDED[family, difficulty]))
+    return [
+        {"role": "system", "content": system_prompt(level)},
+        *(
+            m
+            for obs, reply in demo
+            for m in ({"role": "user", "content": obs}, {"role": "assistant", "content": reply})
+        ),
+    ]
 
 
 def make_tasks(split: str, n: int, seed: int, levels: Sequence[int] = tuple(LEVELS)) -> list[Task]:
@@ -74,7 +137,6 @@ def make_tasks(split: str, n: int, seed: int, levels: Sequence[int] = tuple(LEVE
     bad = [lv for lv in levels if lv not in LEVELS]
     if bad:
         raise ValueError(f"unknown levels {bad}; levels are {sorted(LEVELS)}")
-    prompts = {lv: system_prompt(lv) for lv in levels}
     seen: set[tuple[str, str]] = set()
     counts = dict.fromkeys(levels, 0)
     tasks: list[Task] = []
@@ -97,7 +159,7 @@ def make_tasks(split: str, n: int, seed: int, levels: Sequence[int] = tuple(LEVE
             Task(
                 id=f"web-{split}-s{seed}-L{level}-{k}",
                 level=level,
-                messages=[{"role": "system", "content": prompts[level]}],
+                messages=task_messages(level, family, difficulty),
                 payload={
                     "family": family,
                     "difficulty": difficulty,
