@@ -44,6 +44,25 @@ def _smooth(v: np.ndarray, width: int) -> np.ndarray:
     return np.convolve(padded, kernel, mode="valid")
 
 
+def held_out(run_dir: Path, rows: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Held-out figures by step: from eval.jsonl when the run has one (it also holds the
+    evaluation before training, step 0), else the eval/ keys of metrics.jsonl."""
+    path = run_dir / "eval.jsonl"
+    if path.exists():
+        from mlx_grpo.evaluate import TaskResult, summarize
+
+        recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        sums = [(r["step"], summarize([TaskResult(**t) for t in r["results"]])) for r in recs]
+        keys = {k for _, d in sums for k in d if "/level_" not in k}
+        return {
+            k: (np.array([st for st, d in sums]), np.array([d.get(k, np.nan) for _, d in sums]))
+            for k in keys
+        }
+    keys = {k for r in rows for k in r if k.startswith("eval/") and "/level_" not in k}
+    keys.discard("time/eval_s")
+    return {k: _series(rows, k) for k in keys}
+
+
 def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
     """Write the PNG (default `<run>/metrics.png`) and return its path."""
     try:
@@ -77,13 +96,13 @@ def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
     ax.legend(fontsize=8)
 
     ax = axes[0, 1]
-    evals = sorted({k for r in rows for k in r if k.startswith("eval/") and "/level_" not in k})
-    for k in evals:
-        s, v = _series(rows, k)
+    held = held_out(run_dir, rows)
+    for k in sorted(held):
+        s, v = held[k]
         ax.plot(s, v, marker="o", label=k.removeprefix("eval/"))
-    ax.set_title("held-out (greedy)" if evals else "held-out: not evaluated (train.eval_every=0)")
+    ax.set_title("held-out (greedy)" if held else "held-out: not evaluated (train.eval_every=0)")
     ax.set_xlabel("step")
-    if evals:
+    if held:
         ax.legend(fontsize=8)
 
     ax = axes[1, 0]
