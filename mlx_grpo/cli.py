@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     if cmd != "train":
         print(f"error: unknown command '{cmd}' (commands: train, plot, export)", file=sys.stderr)
         sys.exit(2)
-    from mlx_grpo.dist import RankZeroError
+    from mlx_grpo.dist import DistError, RankZeroError
     from mlx_grpo.models import ModelLoadError
     from mlx_grpo.trainer import TrainingError
 
@@ -282,6 +282,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(cmd_train(rest))
     except RankZeroError:  # rank 0 prints it
         sys.exit(2)
-    except (ConfigError, CheckpointError, ModelLoadError, TrainingError) as e:
+    except (ConfigError, CheckpointError, ModelLoadError, TrainingError, DistError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

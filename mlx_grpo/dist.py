@@ -24,7 +24,16 @@ class Dist:
     """The launched processes: `rank`, `size`, and the collectives the trainer uses."""
 
     def __init__(self, group: mx.distributed.Group | None = None):
-        self.group = group if group is not None else mx.distributed.init()
+        if group is None:
+            try:
+                group = mx.distributed.init()
+            except RuntimeError as e:  # e.g. `mlx.launch -n 1` writes an empty host file
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise DistError(
+                    f"mx.distributed.init failed: {first} (one process needs no mlx.launch; "
+                    "for several, check the host file)"
+                ) from e
+        self.group = group
         self.rank = self.group.rank()
         self.size = self.group.size()
 
@@ -116,6 +125,10 @@ class Dist:
                 out[k] = part.reshape(shape)
         mx.eval(out)
         return out
+
+
+class DistError(RuntimeError):
+    """The distributed group could not be set up; the message is one line."""
 
 
 class RankZeroError(RuntimeError):

@@ -356,9 +356,9 @@ def _update(
         mx.eval(batch.ref_logprobs, batch.old_logprobs)
     if dist.size > 1:
         # Every rank divides by the whole batch's counts (see grpo.aggregate).
-        tokens = dist.all_sum(batch.mask.sum() if batch is not None else mx.array(0.0))
+        tokens = dist.all_sum(batch.mask.sum() if batch is not None else mx.array(0.0)).item()
         if batch is not None:
-            batch.total_rows, batch.total_tokens = total_rows, tokens.item()
+            batch.total_rows, batch.total_tokens = total_rows, tokens
 
     model.train()
     before = _adapters(model)
