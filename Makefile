@@ -9,6 +9,10 @@ MODEL  ?=
 STEPS  ?=
 RUN    ?=
 ARGS   ?=
+# Data-parallel training (README "Several Macs"): HOSTS=hosts.json from
+# mlx.distributed_config, or NP=2 for N ranks on this machine.
+HOSTS  ?=
+NP     ?=
 
 TRAIN_FLAGS := --recipe $(RECIPE) \
 	$(if $(MODEL),--model.path=$(MODEL)) \
@@ -39,8 +43,10 @@ $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory system-deps
 	@touch $(STAMP)
 
+LAUNCH := $(if $(HOSTS),$(VENV)/bin/mlx.launch --hostfile $(HOSTS) --,$(if $(NP),$(VENV)/bin/mlx.launch --backend ring -n $(NP) --))
+
 train: $(STAMP)
-	$(PY) -m mlx_grpo train $(TRAIN_FLAGS)
+	$(LAUNCH) $(if $(LAUNCH),$(CURDIR)/$(PY),$(PY)) -m mlx_grpo train $(TRAIN_FLAGS)
 
 test: $(STAMP) $(PARITY_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -2,6 +2,7 @@
 
 python -m mlx_grpo train --recipe arithmetic --train.steps=30 --model.path=default
 python -m mlx_grpo train --resume checkpoints/arithmetic-20261122-1130
+mlx.launch --hostfile hosts.json python -m mlx_grpo train ...   (data-parallel, see README)
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ def cmd_train(argv: list[str]) -> int:
 
     from mlx_grpo._blas import blas_in_use
     from mlx_grpo.curriculum import make_curriculum
+    from mlx_grpo.dist import Dist
     from mlx_grpo.evaluate import make_eval_fn
     from mlx_grpo.log import Display
     from mlx_grpo.models import adapter_config, apply_lora, load_model, trainable_count
     from mlx_grpo.recipe import Recipe
     from mlx_grpo.trainer import build_optimizer, train
 
-    cfg, run_dir, resume_from = resolve_config(argv)
+    dist = Dist()
+    cfg, run_dir, resume_from = _shared_config(dist, argv)
     mx.random.seed(cfg.train.seed)
     recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
@@ -96,12 +99,14 @@ def cmd_train(argv: list[str]) -> int:
     apply_lora(model, cfg.lora, seed=cfg.train.seed)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps * cfg.grpo.num_iterations)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     adapter_cfg = adapter_config(cfg.lora, model, cfg.model.path)
+    _check_ranks_agree(dist, len(train_tasks), trainable_count(model))
 
     eval_fn = None
-    if cfg.train.eval_every:
+    if cfg.train.eval_every and dist.is_main:
         eval_tasks = spread(
             recipe.tasks("eval", cfg.recipe.eval_size, cfg.train.seed), cfg.train.eval_tasks
         )
@@ -110,14 +115,17 @@ def cmd_train(argv: list[str]) -> int:
         )
 
     start = int(resume_from.name.rsplit("-", 1)[1]) if resume_from else 0
-    display = Display(cfg.train.steps, start, cfg.output.live, f"{cfg.recipe.name} -> {run_dir}")
+    live = cfg.output.live if dist.is_main else "no"
+    display = Display(cfg.train.steps, start, live, f"{cfg.recipe.name} -> {run_dir}")
     device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({blas_in_use()} BLAS)"
-    display.info(
-        f"model {cfg.model.path} on {device}; LoRA r={cfg.lora.rank} "
-        f"({trainable_count(model) / 1e6:.2f}M trainable); {len(train_tasks)} train tasks; "
-        f"B={cfg.train.batch_size} x G={cfg.grpo.num_generations}; run dir {run_dir}"
-        + (f"; resuming from {resume_from.name}" if resume_from else "")
-    )
+    ranks = f"; {dist.size} ranks (data-parallel)" if dist.size > 1 else ""
+    if dist.is_main:
+        display.info(
+            f"model {cfg.model.path} on {device}; LoRA r={cfg.lora.rank} "
+            f"({trainable_count(model) / 1e6:.2f}M trainable); {len(train_tasks)} train tasks; "
+            f"B={cfg.train.batch_size} x G={cfg.grpo.num_generations}{ranks}; run dir {run_dir}"
+            + (f"; resuming from {resume_from.name}" if resume_from else "")
+        )
     with display:
         try:
             train(
@@ -130,16 +138,52 @@ def cmd_train(argv: list[str]) -> int:
                 run_dir,
                 adapter_cfg,
                 resume_from=resume_from,
-                callback=display.step,
+                callback=display.step if dist.is_main else None,
                 say=display.warn,
                 evaluate_fn=eval_fn,
                 info=display.info,
+                dist=dist,
             )
         except KeyboardInterrupt:
-            display.info(f"interrupted; continue with: python -m mlx_grpo train --resume {run_dir}")
+            if dist.is_main:
+                display.info(
+                    f"interrupted; continue with: python -m mlx_grpo train --resume {run_dir}"
+                )
             return 130
-    display.info(f"done: adapters in {run_dir} (mlx_lm.load(..., adapter_path='{run_dir}'))")
+    if dist.is_main:
+        display.info(f"done: adapters in {run_dir} (mlx_lm.load(..., adapter_path='{run_dir}'))")
     return 0
+
+
+def _shared_config(dist, argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
+    """`resolve_config` on rank 0 (the one that holds the run folder), sent to all
+    ranks, so that they agree on the run name and the checkpoint to resume."""
+    if dist.size == 1:
+        return resolve_config(argv)
+
+    def resolve() -> dict:
+        cfg, run_dir, resume_from = resolve_config(argv)
+        resume = str(resume_from) if resume_from else None
+        return {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "resume": resume}
+
+    got = dist.run_on_main(resolve)
+    cfg = RunConfig.model_validate(got["config"])
+    return cfg, Path(got["run_dir"]), Path(got["resume"]) if got["resume"] else None
+
+
+def _check_ranks_agree(dist, n_tasks: int, n_trainable: int) -> None:
+    """Ranks on different machines must build the same tasks and the same LoRA tree
+    (same mlx-grpo, recipe and model on each); say which differs, on every rank."""
+    if dist.size == 1:
+        return
+    seen = dist.gather({"train tasks": n_tasks, "trainable parameters": n_trainable})
+    for key in seen[0]:
+        values = [s[key] for s in seen]
+        if len(set(values)) > 1:
+            raise ConfigError(
+                f"ranks disagree on {key} ({values}, by rank): install the same "
+                "mlx-grpo, recipe and model on every machine"
+            )
 
 
 def cmd_plot(argv: list[str]) -> int:
@@ -231,11 +275,14 @@ def main(argv: list[str] | None = None) -> None:
     if cmd != "train":
         print(f"error: unknown command '{cmd}' (commands: train, plot, export)", file=sys.stderr)
         sys.exit(2)
+    from mlx_grpo.dist import DistError, RankZeroError
     from mlx_grpo.models import ModelLoadError
     from mlx_grpo.trainer import TrainingError
 
     try:
         sys.exit(cmd_train(rest))
-    except (ConfigError, CheckpointError, ModelLoadError, TrainingError) as e:
+    except RankZeroError:  # rank 0 prints it
+        sys.exit(2)
+    except (ConfigError, CheckpointError, ModelLoadError, TrainingError, DistError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -31,6 +31,9 @@ GRPO, each an option in `GRPOConfig`:
 - Log-probs are always those of the untempered model (temperature only shapes
   sampling), as in TRL.
 - Groups whose rewards are all equal get A = 0 and contribute only the KL term.
+- Data-parallel runs (mlx_grpo/dist.py) split the batch over ranks and sum their
+  gradients. Each rank divides by the batch's *global* count (`LossInputs.total_rows`
+  and `total_tokens`), so the sum is exactly the gradient of AGG over the whole batch.
 """
 
 from __future__ import annotations
@@ -227,6 +230,10 @@ class LossInputs:
     old_logprobs: mx.array | None  # [N, C]; None: the current policy (num_iterations=1)
     ref_logprobs: mx.array | None  # [N, C]; None when beta == 0
     max_new_tokens: int  # dr_grpo's constant denominator
+    # Data-parallel runs: completions and loss tokens in the whole step's batch, over
+    # all ranks (None: this batch is the whole batch).
+    total_rows: int | None = None
+    total_tokens: float | None = None
 
 
 def per_token_loss(
@@ -254,20 +261,39 @@ def per_token_loss(
     return loss, kl, is_clipped, ratio
 
 
-def aggregate(values: mx.array, mask: mx.array, loss_type: str, max_new_tokens: int) -> mx.array:
-    """Reduce [N, C] per-token values to the scalar loss (see the module docstring)."""
+def aggregate(
+    values: mx.array,
+    mask: mx.array,
+    loss_type: str,
+    max_new_tokens: int,
+    total_rows: int | None = None,
+    total_tokens: float | None = None,
+) -> mx.array:
+    """Reduce [N, C] per-token values to the scalar loss (see the module docstring).
+
+    `total_rows` / `total_tokens` replace N and the mask's token count when this batch
+    is one rank's share of a larger one: the ranks' results then sum to the loss of
+    the whole batch.
+    """
     if loss_type == "grpo":
         per_seq = (values * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
-        return per_seq.mean()
+        return per_seq.mean() if total_rows is None else per_seq.sum() / total_rows
     if loss_type == "dr_grpo":
-        return (values * mask).sum() / (mask.shape[0] * max_new_tokens)
+        rows = mask.shape[0] if total_rows is None else total_rows
+        return (values * mask).sum() / (rows * max_new_tokens)
     if loss_type == "dapo":
-        return (values * mask).sum() / mx.maximum(mask.sum(), 1.0)
+        return masked_mean(values, mask, total_tokens)
     raise ValueError(f"loss_type must be grpo|dr_grpo|dapo, got {loss_type!r}")
 
 
-def masked_mean(x: mx.array, mask: mx.array) -> mx.array:
-    return (x * mask).sum() / mx.maximum(mask.sum(), 1.0)
+def masked_mean(x: mx.array, mask: mx.array, total_tokens: float | None = None) -> mx.array:
+    count = mask.sum() if total_tokens is None else total_tokens
+    return (x * mask).sum() / mx.maximum(count, 1.0)
+
+
+# The metrics `grpo_loss` returns; all are sums over tokens or sequences divided by
+# the batch's count, so ranks' values add up to the whole batch's.
+LOSS_METRICS = ("loss/policy", "kl", "clip/frac", "ratio/mean", "entropy")
 
 
 def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[str, mx.array]]:
@@ -282,15 +308,14 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     tok_loss, kl, clipped, ratio = per_token_loss(
         logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, cfg.beta
     )
-    mask = batch.mask
-    loss = aggregate(tok_loss, mask, cfg.loss_type, batch.max_new_tokens)
+    mask, tokens = batch.mask, batch.total_tokens
+    counts = (cfg.loss_type, batch.max_new_tokens, batch.total_rows, tokens)
+    loss = aggregate(tok_loss, mask, *counts)
     metrics = {
-        "loss/policy": aggregate(
-            tok_loss - cfg.beta * kl, mask, cfg.loss_type, batch.max_new_tokens
-        ),
-        "kl": masked_mean(kl, mask),
-        "clip/frac": masked_mean(clipped.astype(mx.float32), mask),
-        "ratio/mean": masked_mean(ratio, mask),
-        "entropy": masked_mean(entropy, mask),
+        "loss/policy": aggregate(tok_loss - cfg.beta * kl, mask, *counts),
+        "kl": masked_mean(kl, mask, tokens),
+        "clip/frac": masked_mean(clipped.astype(mx.float32), mask, tokens),
+        "ratio/mean": masked_mean(ratio, mask, tokens),
+        "entropy": masked_mean(entropy, mask, tokens),
     }
     return loss, {k: mx.stop_gradient(v) for k, v in metrics.items()}

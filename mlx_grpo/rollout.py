@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.env import Env, Episode
@@ -81,6 +81,39 @@ def make_rollout_sampler(cfg: RolloutConfig):
     )
 
 
+class KeyedSampler:
+    """The rollout sampler of one sequence, drawing from its own key stream.
+
+    A completion's tokens then depend on its key and its logits only, not on which
+    other sequences share its batch: a group samples the same tokens whether one
+    process rolls out the whole step or a rank of a data-parallel run rolls out its
+    share. Filters are those of `mlx_lm.sample_utils.make_sampler`, in its order.
+    """
+
+    def __init__(self, cfg: RolloutConfig, key: mx.array):
+        self.key = key
+        self.temp = cfg.temperature
+        self.filters = []
+        if 0 < cfg.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, cfg.top_p))
+        if cfg.min_p != 0.0:
+            self.filters.append(lambda x: apply_min_p(x, cfg.min_p))
+        if cfg.top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, cfg.top_k))
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for f in self.filters:
+            logprobs = f(logprobs)
+        pair = mx.random.split(self.key)
+        self.key = pair[0]
+        return mx.random.categorical(logprobs * (1.0 / self.temp), key=pair[1])
+
+
+def keyed_samplers(cfg: RolloutConfig, keys: mx.array) -> list[KeyedSampler]:
+    """One `KeyedSampler` per row of `keys` ([N, 2], from `mx.random.split`)."""
+    return [KeyedSampler(cfg, keys[i]) for i in range(keys.shape[0])]
+
+
 def _prefill(model: nn.Module, prompt: list[int]) -> list:
     """A KV cache holding all prompt tokens but the last (which starts decoding)."""
     cache = make_prompt_cache(model)
@@ -99,20 +132,23 @@ def _decode(
     sampler,
 ) -> list[tuple[list[int], str, list]]:
     """Sample one turn for every sequence: `tails[i]` is fed on top of `caches[i]` (a
-    cache that stays untouched) and decoding starts after it. Returns (sampled ids,
-    finish reason, the sequence's own cache) per sequence; that cache holds
-    `caches[i]`, the tail and every sampled id, so a next turn feeds only what follows."""
+    cache that stays untouched) and decoding starts after it. `sampler` is one sampler
+    for all, or a list with one per sequence. Returns (sampled ids, finish reason, the
+    sequence's own cache) per sequence; that cache holds `caches[i]`, the tail and every
+    sampled id, so a next turn feeds only what follows."""
     n = len(tails)
+    samplers = sampler if isinstance(sampler, list) else None
     gen = BatchGenerator(
         model,
         max_tokens=cfg.max_new_tokens,
         stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-        sampler=sampler,
+        sampler=None if samplers else sampler,
         completion_batch_size=n,
         prefill_batch_size=n,
     )
     try:
-        uids = gen.insert(tails, caches=caches)  # merged into a batch cache: never mutated
+        # The prompt caches are merged into a batch cache: never mutated.
+        uids = gen.insert(tails, caches=caches, samplers=samplers)
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         finish: dict[int, str] = {}
         done_cache: dict[int, list] = {}
@@ -138,7 +174,10 @@ def generate_groups(
     cfg: RolloutConfig,
     sampler=None,
 ) -> Rollout:
-    """Sample `group_size` completions for every prompt, all decoding in one batch."""
+    """Sample `group_size` completions for every prompt, all decoding in one batch.
+
+    `sampler`: one sampler for every sequence, or a list of B*G (prompt-major, e.g.
+    `keyed_samplers`); default `make_rollout_sampler(cfg)`."""
     _check_prompts(prompts)
     tic = time.perf_counter()
     caches = [_prefill(model, p) for p in prompts]
@@ -222,6 +261,7 @@ def play_episodes(
     (prompt i owns envs[i*G:(i+1)*G]); `prompts[i]` ends with the first observation.
     Each returned Completion holds every token after the prompt (replies and the
     environment's answers), with `loss_mask` marking the model's own tokens.
+    `sampler` is as in `generate_groups` (a list: one per episode, across its turns).
     """
     _check_prompts(prompts)
     if len(envs) != len(prompts) * group_size:
@@ -246,7 +286,12 @@ def play_episodes(
     live = list(range(n))
     for turn in range(cfg.max_turns):
         sampled = _decode(
-            model, tokenizer, [tails[i] for i in live], [state[i] for i in live], cfg, sampler
+            model,
+            tokenizer,
+            [tails[i] for i in live],
+            [state[i] for i in live],
+            cfg,
+            [sampler[i] for i in live] if isinstance(sampler, list) else sampler,
         )
         still = []
         for i, (toks, reason, cache) in zip(live, sampled):

@@ -12,12 +12,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_grpo.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from mlx_grpo.config import OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
+from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import (
+    LOSS_METRICS,
     LossInputs,
     completion_logprobs,
     group_advantages,
@@ -27,7 +29,7 @@ from mlx_grpo.grpo import (
 from mlx_grpo.log import JsonlWriter, truncate_jsonl
 from mlx_grpo.models import adapters_disabled
 from mlx_grpo.recipe import Recipe, Scored, Task
-from mlx_grpo.rollout import Rollout, make_rollout_sampler, rollout_tasks
+from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
 
 
 class TrainingError(RuntimeError):
@@ -120,6 +122,7 @@ def train(
     say: Callable[[str], None] = print,
     evaluate_fn: Callable[[int, dict], dict] | None = None,
     info: Callable[[str], None] = print,
+    dist: Dist | None = None,
 ) -> list[dict]:
     """Run GRPO from step 0 (or from `resume_from`) to `cfg.train.steps`.
 
@@ -127,51 +130,92 @@ def train(
     metrics after they are logged; `say` receives warnings and `info` notes; `evaluate_fn()`
     returns held-out metrics before training and every `train.eval_every` steps
     (`evaluate_fn(step, extra)`).
+
+    Under `mlx.launch` (`dist.size > 1`) every rank runs this loop: all draw the same
+    tasks, each rolls out and scores its share of the groups, rewards are gathered so
+    that advantages, the curriculum and the metrics see the whole batch, and the
+    gradients are summed before clipping, so all ranks take the same step. Rank 0
+    alone writes logs and checkpoints (and runs `evaluate_fn`).
     """
     g, b = cfg.grpo.num_generations, cfg.train.batch_size
+    dist = dist or Dist()
+    main = dist.is_main
+    if dist.size > b:
+        raise TrainingError(
+            f"train.batch_size={b} is smaller than the {dist.size} ranks: "
+            "each rank needs at least one group"
+        )
+    if not main:
+        say = _silent
     counters = Counters()
     start = 0
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
     samples_log = JsonlWriter(run_dir / "samples.jsonl")
     if resume_from is not None:
-        st = load_checkpoint(resume_from, model, optimizer)
+        st = _resume(dist, resume_from, model, optimizer)
         start = st.step
         counters = Counters(**st.counters)
         curriculum.load_state_dict(st.curriculum)
-        truncate_jsonl(run_dir / "metrics.jsonl", start)
-        truncate_jsonl(run_dir / "samples.jsonl", start)
-        truncate_jsonl(run_dir / "eval.jsonl", start)
+        if main:
+            truncate_jsonl(run_dir / "metrics.jsonl", start)
+            truncate_jsonl(run_dir / "samples.jsonl", start)
+            truncate_jsonl(run_dir / "eval.jsonl", start)
+    elif dist.size > 1:  # same adapters everywhere even if the ranks' RNGs differ
+        sent = dist.broadcast_arrays(_adapters(model) if main else None)
+        model.load_weights(list(sent.items()), strict=False)
 
-    if evaluate_fn and cfg.train.eval_every and start == 0:
+    if main and evaluate_fn and cfg.train.eval_every and start == 0:
         # The base model's held-out figures: where the curves in eval.jsonl start.
         base = evaluate_fn(0, {"rollout_tokens": 0})
-        shown = {k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"}
+        shown = {
+            k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
+        }
         info(f"held-out before training: {shown}")
 
     loss_and_grad = nn.value_and_grad(model, lambda m, batch: grpo_loss(m, batch, cfg.grpo))
-    sampler = make_rollout_sampler(cfg.rollout)
     history: list[dict] = []
 
     for step in range(start + 1, cfg.train.steps + 1):
         mx.reset_peak_memory()
-        # Sampling (and LoRA dropout) draw from a key fixed by (seed, step), so a resumed
-        # run samples exactly what the uninterrupted run would have sampled.
-        mx.random.seed(cfg.train.seed * 1_000_003 + step)
+        # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
+        # run samples exactly what the uninterrupted run would have sampled. Each
+        # completion has its own key, so it does not depend on how many ranks share
+        # the step.
+        step_seed = cfg.train.seed * 1_000_003 + step
+        mx.random.seed(step_seed)
         n_tasks = math.ceil(b * curriculum.oversample)
-        tasks = curriculum.sample(n_tasks)
+        tasks = curriculum.sample(n_tasks)  # the same on every rank
+        mine = dist.share(n_tasks)
+        keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
 
         model.eval()
-        rollout = rollout_tasks(model, tokenizer, recipe, tasks, g, cfg.rollout, sampler)
-
+        rollout = rollout_tasks(
+            model,
+            tokenizer,
+            recipe,
+            tasks[mine.start : mine.stop],
+            g,
+            cfg.rollout,
+            keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g]),
+        )
         scored = [
-            recipe.score(tasks[c.prompt_index], c.episode or c.text) for c in rollout.completions
+            recipe.score(tasks[mine.start + c.prompt_index], c.episode or c.text)
+            for c in rollout.completions
         ]
-        rewards = np.array([s.reward for s in scored], dtype=np.float32)
-        errors = [s.error for s in scored if s.error]
+        sample_step = bool(
+            cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
+        )
+        tic = time.perf_counter()
+        shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
+        gather_s = time.perf_counter() - tic
+        records = [r for sh in shares for r in sh["records"]]
+        rewards = np.array([r["reward"] for r in records], dtype=np.float32)
+        errors = [r["error"] for r in records if r["error"]]
         counters.reward_errors += len(errors)
         if errors:
             say(f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}")
-        counters.rollout_tokens += rollout.generated_tokens
+        generated = sum(sh["tokens"] for sh in shares)
+        counters.rollout_tokens += generated
         r_mx = mx.array(rewards)
         advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
         zero_var = np.array(zero_variance_groups(r_mx, g))
@@ -179,24 +223,38 @@ def train(
         # Groups whose rewards are all equal carry no gradient: leave them out of the
         # loss (and out of the forward/backward). `filter` trains on at most B groups.
         train_groups = [i for i in range(n_tasks) if not zero_var[i]][:b]
+        local = [i - mine.start for i in train_groups if i in mine]
 
         tic = time.perf_counter()
         it_metrics: list[dict] = []
-        delta = 0.0
-        if train_groups:
-            batch = build_loss_inputs(
-                rollout,
-                advantages,
-                cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
-                cfg.grpo.mask_truncated_completions,
-                train_groups,
-            )
-            it_metrics, delta = _update(
-                model, optimizer, loss_and_grad, batch, cfg, counters, step, say
+        delta, sync_s = 0.0, 0.0
+        if train_groups:  # the same on every rank: all of them join the update
+            batch = None
+            if local:
+                batch = build_loss_inputs(
+                    rollout,
+                    advantages[mine.start * g : mine.stop * g],
+                    cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                    cfg.grpo.mask_truncated_completions,
+                    local,
+                )
+            it_metrics, delta, sync_s = _update(
+                model,
+                optimizer,
+                loss_and_grad,
+                batch,
+                cfg,
+                counters,
+                step,
+                say,
+                dist,
+                len(train_groups) * g,
             )
         update_s = time.perf_counter() - tic
 
-        metrics = _step_metrics(step, rollout, scored, rewards, advantages, zero_var, it_metrics)
+        metrics = _step_metrics(
+            step, shares, records, rewards, advantages, zero_var, it_metrics, generated
+        )
         metrics.update(
             {
                 "lr": float(optimizer.learning_rate),
@@ -210,22 +268,26 @@ def train(
                 **curriculum.metrics(),
             }
         )
+        if dist.size > 1:
+            metrics["dist/ranks"] = dist.size
+            metrics["time/sync_s"] = gather_s + sync_s
         budget = cfg.train.token_budget
         last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
         metrics["rollout/tokens_total"] = counters.rollout_tokens
         if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
             metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
-        _warnings(step, metrics, rewards, rollout, zero_var, counters, cfg, say)
-        metrics_log.write(metrics)
-        if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1):
-            _write_samples(samples_log, step, tasks, rollout, scored)
+        _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
+        if main:
+            metrics_log.write(metrics)
+        if main and sample_step:
+            _write_samples(samples_log, step, tasks, records, g)
         history.append(metrics)
 
         if step % cfg.output.save_every == 0 or last:
             state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
-            save_checkpoint(
-                run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last
-            )
+            # On rank 0 only; a failure there stops every rank.
+            args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
+            dist.run_on_main(lambda a=args: str(save_checkpoint(*a)))
         if callback is not None:
             callback(step, metrics)
         if last:
@@ -235,23 +297,98 @@ def train(
     return history
 
 
+def _silent(_: str) -> None:
+    pass
+
+
+def _adapters(model: nn.Module) -> dict[str, mx.array]:
+    return dict(tree_flatten(model.trainable_parameters()))
+
+
+def _resume(dist: Dist, step_dir: Path, model, optimizer) -> TrainState:
+    """Rank 0 reads the checkpoint and sends it to the others (which need no copy
+    of the run folder)."""
+    if dist.size == 1:
+        return load_checkpoint(step_dir, model, optimizer)
+    st = dist.run_on_main(lambda: load_checkpoint(step_dir, model, optimizer).__dict__)
+    adapters = dist.broadcast_arrays(_adapters(model) if dist.is_main else None)
+    opt = dist.broadcast_arrays(dict(tree_flatten(optimizer.state)) if dist.is_main else None)
+    if not dist.is_main:
+        model.load_weights(list(adapters.items()), strict=False)
+        optimizer.state = tree_unflatten(list(opt.items()))
+        mx.eval(model.parameters(), optimizer.state)
+    return TrainState(**st)
+
+
+def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> dict:
+    """What a rank reports about its groups: per completion, what the metrics, the
+    curriculum and the advantages need (and the text when samples are written)."""
+    records = []
+    for c, s in zip(rollout.completions, scored):
+        r = {
+            "reward": s.reward,
+            "components": s.components,
+            "error": s.error,
+            "truncated": c.truncated,
+            "tokens": c.model_tokens,
+            "turns": c.episode.turns if c.episode is not None else None,
+        }
+        if with_text:
+            r.update(text=c.text, finish_reason=c.finish_reason)
+        records.append(r)
+    return {"records": records, "tokens": rollout.generated_tokens, "seconds": rollout.seconds}
+
+
 def _update(
-    model, optimizer, loss_and_grad, batch: LossInputs, cfg: RunConfig, counters, step, say
+    model,
+    optimizer,
+    loss_and_grad,
+    batch: LossInputs | None,
+    cfg: RunConfig,
+    counters,
+    step,
+    say,
+    dist: Dist,
+    total_rows: int,
 ):
-    """`grpo.num_iterations` clipped AdamW updates on one batch; (metrics, |delta|)."""
-    need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
-    if cfg.grpo.beta > 0:
-        with adapters_disabled(model):
-            batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
-    if cfg.grpo.num_iterations > 1:
-        batch.old_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
-    mx.eval(batch.ref_logprobs, batch.old_logprobs)
+    """`grpo.num_iterations` clipped AdamW updates on one batch; (metrics, |delta|,
+    seconds spent exchanging gradients).
+
+    `batch` is this rank's share (None when all its groups were left out: it still
+    joins every exchange, with zero gradients)."""
+    if batch is not None:
+        need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
+        if cfg.grpo.beta > 0:
+            with adapters_disabled(model):
+                batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+        if cfg.grpo.num_iterations > 1:
+            batch.old_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+        mx.eval(batch.ref_logprobs, batch.old_logprobs)
+    if dist.size > 1:
+        # Every rank divides by the whole batch's counts (see grpo.aggregate).
+        tokens = dist.all_sum(batch.mask.sum() if batch is not None else mx.array(0.0)).item()
+        if batch is not None:
+            batch.total_rows, batch.total_tokens = total_rows, tokens
 
     model.train()
-    before = dict(tree_flatten(model.trainable_parameters()))
+    before = _adapters(model)
     it_metrics: list[dict] = []
+    sync_s = 0.0
     for _ in range(cfg.grpo.num_iterations):
-        (loss, m), grads = loss_and_grad(model, batch)
+        if batch is not None:
+            (loss, m), grads = loss_and_grad(model, batch)
+        else:
+            loss = mx.array(0.0)
+            m = {k: mx.array(0.0) for k in LOSS_METRICS}
+            grads = tree_map(mx.zeros_like, model.trainable_parameters())
+        if dist.size > 1:
+            mx.eval(loss, m, grads)
+            tic = time.perf_counter()
+            # One exchange per dtype for gradients, loss and metrics together.
+            summed = dist.sum_tree({"grads": grads, "loss": loss, "m": m})
+            mx.eval(summed)
+            sync_s += time.perf_counter() - tic
+            grads, loss, m = summed["grads"], summed["loss"], summed["m"]
         grads, grad_norm = optim.clip_grad_norm(grads, cfg.optimizer.max_grad_norm)
         mx.eval(loss, grad_norm, m)
         finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
@@ -276,21 +413,23 @@ def _update(
             }
         )
     model.eval()
-    after = dict(tree_flatten(model.trainable_parameters()))
+    after = _adapters(model)
     delta = math.sqrt(sum(float(((after[k] - before[k]) ** 2).sum()) for k in after))
-    return it_metrics, delta
+    return it_metrics, delta, sync_s
 
 
 def _step_metrics(
     step: int,
-    rollout: Rollout,
-    scored: list[Scored],
+    shares: list[dict],
+    records: list[dict],
     rewards: np.ndarray,
     advantages: mx.array,
     zero_var: np.ndarray,
     it_metrics: list[dict],
+    generated: int,
 ) -> dict:
-    lens = np.array([c.model_tokens for c in rollout.completions])
+    lens = np.array([r["tokens"] for r in records])
+    seconds = max(sh["seconds"] for sh in shares)  # the slowest rank's rollout
     out = {
         "step": step,
         "reward/mean": float(rewards.mean()),
@@ -298,26 +437,26 @@ def _step_metrics(
         "advantage/abs_mean": float(mx.abs(advantages).mean().item()),
         "groups/zero_variance_frac": float(zero_var.mean()),
         "completion/len_mean": float(lens.mean()),
-        "completion/truncated_frac": float(np.mean([c.truncated for c in rollout.completions])),
-        "rollout/tokens": rollout.generated_tokens,
-        "rollout/tokens_per_s": rollout.generated_tokens / max(rollout.seconds, 1e-9),
-        "time/rollout_s": rollout.seconds,
+        "completion/truncated_frac": float(np.mean([r["truncated"] for r in records])),
+        "rollout/tokens": generated,
+        "rollout/tokens_per_s": generated / max(seconds, 1e-9),
+        "time/rollout_s": seconds,
     }
-    episodes = [c.episode for c in rollout.completions if c.episode is not None]
-    if episodes:
-        out["episode/turns_mean"] = float(np.mean([e.turns for e in episodes]))
-    for name in scored[0].components:
-        out[f"reward/{name}"] = float(np.mean([s.components.get(name, 0.0) for s in scored]))
+    turns = [r["turns"] for r in records if r["turns"] is not None]
+    if turns:
+        out["episode/turns_mean"] = float(np.mean(turns))
+    for name in records[0]["components"]:
+        out[f"reward/{name}"] = float(np.mean([r["components"].get(name, 0.0) for r in records]))
     for key in it_metrics[0] if it_metrics else ():  # averaged over num_iterations updates
         out[key] = float(np.mean([m[key] for m in it_metrics]))
     return out
 
 
-def _warnings(step, metrics, rewards, rollout, zero_var, counters: Counters, cfg, say) -> None:
+def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg, say) -> None:
     if zero_var.all():
         counters.zero_signal_streak += 1
         if counters.zero_signal_streak == cfg.train.zero_signal_warn_steps:
-            truncated = np.array([c.truncated for c in rollout.completions])
+            truncated = np.array([r["truncated"] for r in records])
             cause = _zero_signal_cause(
                 rewards, truncated, float(rewards.min()), float(rewards.max())
             )
@@ -338,17 +477,17 @@ def _warnings(step, metrics, rewards, rollout, zero_var, counters: Counters, cfg
 
 
 def _write_samples(
-    log: JsonlWriter, step: int, tasks: list[Task], rollout: Rollout, scored
+    log: JsonlWriter, step: int, tasks: list[Task], records: list[dict], group_size: int
 ) -> None:
-    for c, s in zip(rollout.completions, scored):
+    for i, r in enumerate(records):
         log.write(
             {
                 "step": step,
-                "task": tasks[c.prompt_index].id,
-                "completion": c.text,
-                "finish_reason": c.finish_reason,
-                "reward": s.reward,
-                "components": s.components,
-                **({"error": s.error} if s.error else {}),
+                "task": tasks[i // group_size].id,
+                "completion": r["text"],
+                "finish_reason": r["finish_reason"],
+                "reward": r["reward"],
+                "components": r["components"],
+                **({"error": r["error"]} if r["error"] else {}),
             }
         )

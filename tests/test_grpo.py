@@ -220,6 +220,50 @@ def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
     assert abs(loss_of(changed) - base) > 1e-4
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type):
+    """Data-parallel runs: two shares of a batch (uneven token counts), each divided
+    by the whole batch's counts, add up to the whole batch's loss, metrics and
+    gradient; divided by their own counts they do not."""
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=4)
+    _randomize_lora_b(model)
+    prompts = [mx.array([5, 6, 7]), mx.array([11, 12]), mx.array([3, 4, 5, 6])]
+    comp = mx.array(np.random.default_rng(0).integers(3, 200, (6, 5)), dtype=mx.int32)
+    mask = mx.array(
+        [[1.0, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+        + [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    )
+    adv = mx.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    old = mx.array(np.random.default_rng(1).normal(-5, 1, (6, 5)).astype(np.float32))
+    cfg = GRPOConfig(beta=0.04, loss_type=loss_type, epsilon_high=0.28)
+    grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
+
+    def run(rows, groups, **totals):
+        ref = mx.zeros((len(rows), 5)) - 4.0
+        batch = LossInputs(
+            [prompts[g] for g in groups], comp[rows], mask[rows], adv[rows], old[rows], ref, 5
+        )
+        for k, v in totals.items():
+            setattr(batch, k, v)
+        (loss, m), grads = grad_fn(model, batch)
+        return {"loss": loss, **m}, dict(tree_flatten(grads))
+
+    whole, g_whole = run(list(range(6)), [0, 1, 2])
+    totals = {"total_rows": 6, "total_tokens": mask.sum().item()}
+    a, g_a = run([0, 1], [0], **totals)
+    b, g_b = run([2, 3, 4, 5], [1, 2], **totals)
+    for k in whole:
+        assert (a[k] + b[k]).item() == pytest.approx(whole[k].item(), rel=1e-5, abs=1e-7), k
+    for k in g_whole:
+        np.testing.assert_allclose(
+            np.array(g_a[k] + g_b[k]), np.array(g_whole[k]), rtol=1e-4, atol=1e-5, err_msg=k
+        )
+    a_own, _ = run([0, 1], [0])
+    b_own, _ = run([2, 3, 4, 5], [1, 2])
+    assert abs((a_own["loss"] + b_own["loss"]).item() - whole["loss"].item()) > 1e-3
+
+
 # ---------------------------------------------------------------- LoRA and the reference
 
 

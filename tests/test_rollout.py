@@ -7,7 +7,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_grpo.config import RolloutConfig
-from mlx_grpo.rollout import encode_prompt, generate_groups
+from mlx_grpo.rollout import encode_prompt, generate_groups, keyed_samplers
 
 
 def _prompts(tokenizer):
@@ -80,3 +80,32 @@ def test_sampling_is_seeded(tiny):
     b = generate_groups(model, tok, _prompts(tok), 4, cfg)
     assert [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
     assert len({tuple(c.tokens) for c in a.completions}) > 3  # temperature really samples
+
+
+def test_keyed_samples_do_not_depend_on_the_batch(tiny):
+    """Each completion draws from its own key: a group samples the same tokens alone
+    or batched with other groups (as on one rank of a data-parallel run), and the
+    filters of make_sampler still apply (top_k=1 is greedy)."""
+    model, tok = tiny
+    cfg = RolloutConfig(max_new_tokens=10, temperature=1.0)
+    prompts = _prompts(tok)
+    keys = mx.random.split(mx.random.key(3), 12)
+    together = generate_groups(model, tok, prompts, 4, cfg, keyed_samplers(cfg, keys))
+    apart = [
+        c
+        for i in range(3)
+        for c in generate_groups(
+            model, tok, prompts[i : i + 1], 4, cfg, keyed_samplers(cfg, keys[4 * i : 4 * i + 4])
+        ).completions
+    ]
+    assert [c.tokens for c in together.completions] == [c.tokens for c in apart]
+    assert len({tuple(c.tokens) for c in apart}) > 6  # temperature really samples
+    other = generate_groups(
+        model, tok, prompts, 4, cfg, keyed_samplers(cfg, mx.random.split(mx.random.key(4), 12))
+    )
+    assert [c.tokens for c in other.completions] != [c.tokens for c in apart]
+
+    greedy_cfg = cfg.model_copy(update={"top_k": 1})
+    top1 = generate_groups(model, tok, prompts, 4, greedy_cfg, keyed_samplers(greedy_cfg, keys))
+    greedy = generate_groups(model, tok, prompts, 4, cfg, make_sampler(temp=0.0))
+    assert [c.tokens for c in top1.completions] == [c.tokens for c in greedy.completions]

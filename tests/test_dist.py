@@ -1,0 +1,144 @@
+"""Data-parallel GRPO: two ranks on localhost (mlx.launch, ring backend) against one
+process, on the tiny model. Each rank runs from its own folder (tests/dist_rank.py), as
+if on a machine of its own, so a file written by rank 1 would show up in its folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo.cli import cmd_train
+
+TESTS = Path(__file__).parent
+TOY = TESTS / "data" / "toy"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+TIMING = ("time/", "rollout/tokens_per_s", "memory/", "dist/")
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (the ring backend listens on one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _launch(root: Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), *sys.path])}
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port"]
+    cmd += [str(_free_port_pair()), "--", sys.executable, str(TESTS / "dist_rank.py")]
+    done = subprocess.run(
+        [*cmd, str(root), "train", *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    out = done.stdout + done.stderr
+    # mlx.launch exits 0 even when a rank fails: look at what the ranks said.
+    assert "exited with code" not in out and "done: adapters" in out, out
+    return out
+
+
+def _run_args(model_dir, *extra) -> list[str]:
+    # Four tasks in shuffled epochs, two per step (one group per rank); task 0's
+    # rewards all raise (scored 0), so its group has no variance and is left out.
+    return [
+        "--recipe",
+        str(TOY),
+        f"--model.path={model_dir}",
+        "--recipe.train_size=4",
+        '--recipe.params={"explode_every": 4}',
+        "--curriculum.strategy=uniform",
+        "--optimizer.learning_rate=1e-3",
+        "--train.steps=4",
+        "--train.seed=5",
+        "--train.sample_every=1",
+        "--output.save_every=4",
+        *extra,
+    ]
+
+
+def _metrics(run: Path) -> list[dict]:
+    rows = _jsonl(run / "metrics.jsonl")
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _adapters(path: Path) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in mx.load(str(path)).items()}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_match_one_process_and_resume(tiny_model_dir, tmp_path):
+    # One process, no launcher.
+    single = tmp_path / "single"
+    assert cmd_train(_run_args(tiny_model_dir, f"--output.dir={single}", "--output.run=r")) == 0
+
+    # Two ranks; relative output dirs land in each rank's own folder.
+    two = tmp_path / "two"
+    out = _launch(two, *_run_args(tiny_model_dir, "--output.dir=ckpt", "--output.run=r"))
+    assert out.count("step 4/4") == 1  # only rank 0 prints
+    run = two / "rank0" / "ckpt" / "r"
+    assert list((two / "rank1").iterdir()) == []  # rank 1 writes nothing
+
+    # Both ranks hold the same adapters; one process that ran the same global batch
+    # with the same seeds ends within float tolerance of them.
+    a0 = _adapters(two / "adapters-rank0.safetensors")
+    _same(_adapters(two / "adapters-rank1.safetensors"), a0)
+    _same(_adapters(run / "adapters.safetensors"), a0)
+    ref = _adapters(single / "r" / "adapters.safetensors")
+    assert ref.keys() == a0.keys()
+    assert any(np.abs(v).max() > 0 for k, v in ref.items() if k.endswith("lora_b"))
+    for k in ref:
+        np.testing.assert_allclose(a0[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+    # Same samples, rewards and decisions; losses and norms within float tolerance.
+    m1, m2 = _metrics(single / "r"), _metrics(run)
+    for r1, r2 in zip(m1, m2, strict=True):
+        assert r1.keys() == r2.keys()
+        for k in r1:
+            assert np.isclose(r1[k], r2[k], rtol=1e-4, atol=1e-6), (r1["step"], k, r1[k], r2[k])
+    samples = _jsonl(run / "samples.jsonl")
+    assert samples == _jsonl(single / "r" / "samples.jsonl")
+    # With seed 5, task 0's group is rank 0's only group at step 1 and rank 1's at
+    # step 3 (a rank with nothing to train still joins the exchange); at steps 2 and
+    # 4 both ranks train (each divides by the whole batch's token count).
+    order = [s["task"] for s in samples][::4]  # each group's first sample, by rank
+    assert order[0] == order[5] == "train-5-0", order
+    assert [r["groups/discarded"] for r in m2] == [1, 0, 1, 0]
+
+    # A 2-rank run stopped after step 1 resumes (rank 1 has no copy of the run folder:
+    # rank 0 sends it the checkpoint) and ends exactly where the uninterrupted one did.
+    _launch(
+        two,
+        *_run_args(tiny_model_dir, "--output.dir=ckpt", "--output.run=s", "--train.token_budget=1"),
+    )
+    assert [r["step"] for r in _metrics(two / "rank0" / "ckpt" / "s")] == [1]
+    out = _launch(two, "--resume", "ckpt/s", "--train.token_budget=0")
+    assert out.count("resuming from step-000001") == 1
+    assert list((two / "rank1").iterdir()) == []
+    assert _metrics(two / "rank0" / "ckpt" / "s") == m2
+    _same(_adapters(two / "rank0" / "ckpt" / "s" / "adapters.safetensors"), a0)
+    _same(_adapters(two / "adapters-rank1.safetensors"), a0)
