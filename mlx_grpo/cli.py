@@ -88,7 +88,7 @@ def cmd_train(argv: list[str]) -> int:
 
     cfg, run_dir, resume_from = resolve_config(argv)
     mx.random.seed(cfg.train.seed)
-    recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
+    recipe = Recipe.from_config(cfg.recipe)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
     curriculum = make_curriculum(cfg.curriculum, train_tasks, cfg.train.seed, recipe.max_reward)
 

@@ -824,7 +824,7 @@ def run_compare(argv: list[str], console=None) -> dict:
     a = resolve_side("a", args.a, args.a_adapter)
     b = resolve_side("b", args.b, args.b_adapter)
     cfg = resolve_eval_config(args.recipe, overrides, [a, b])
-    recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
+    recipe = Recipe.from_config(cfg.recipe)
     tasks = recipe.tasks("eval", args.n_tasks or cfg.recipe.eval_size, args.seed)
     if not args.allow_tokenizer_mismatch:
         check_tokenizers(a, b, recipe, tasks, cfg.rollout.max_prompt_tokens)

@@ -214,6 +214,15 @@ class RecipeConfig(_Section):
     params: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the recipe's task generator."
     )
+    rewards: dict[str, str] = Field(
+        default_factory=dict,
+        description="Component name -> reward function, 'module:function' or "
+        "'file.py:function' in the recipe folder (replaces tasks.py's reward); "
+        "(task, completion) or TRL's (completions, **kwargs) signature.",
+    )
+    tasks: str | None = Field(
+        None, description="A JSONL file of tasks in the recipe folder (instead of tasks.py)."
+    )
     train_size: int = Field(2000, ge=1)
     eval_size: int = Field(200, ge=1)
 
@@ -274,7 +283,11 @@ def _known_fields(section: str) -> list[str]:
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("weights", "params"):
+        if (
+            isinstance(v, dict)
+            and isinstance(out.get(k), dict)
+            and k not in ("weights", "params", "rewards")
+        ):
             out[k] = _merge(out[k], v)
         elif isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = {**out[k], **v}

@@ -60,9 +60,8 @@ def evaluate(
         chunk = tasks[lo : lo + batch_tasks]
         rollout = rollout_tasks(model, tokenizer, recipe, chunk, samples, cfg, sampler)
         results = {t.id: TaskResult(t.id, t.level, [], {}, [], []) for t in chunk}
-        for c in rollout.completions:
+        for c, s in zip(rollout.completions, recipe.score_rollout(chunk, rollout)):
             task = chunk[c.prompt_index]
-            s = recipe.score(task, c.episode or c.text)
             r = results[task.id]
             r.rewards.append(s.reward)
             r.texts.append(c.text)

@@ -155,9 +155,7 @@ def train(
         model.eval()
         rollout = rollout_tasks(model, tokenizer, recipe, tasks, g, cfg.rollout, sampler)
 
-        scored = [
-            recipe.score(tasks[c.prompt_index], c.episode or c.text) for c in rollout.completions
-        ]
+        scored = recipe.score_rollout(tasks, rollout)
         rewards = np.array([s.reward for s in scored], dtype=np.float32)
         errors = [s.error for s in scored if s.error]
         counters.reward_errors += len(errors)
@@ -300,6 +298,9 @@ def _step_metrics(
         out["episode/turns_mean"] = float(np.mean([e.turns for e in episodes]))
     for name in scored[0].components:
         out[f"reward/{name}"] = float(np.mean([s.components.get(name, 0.0) for s in scored]))
+    # Why completions failed, as the reward named it (sandbox limits, wrong answers...).
+    for reason in sorted({s.failure for s in scored if s.failure}):
+        out[f"fail/{reason}"] = sum(s.failure == reason for s in scored)
     for key in it_metrics[0] if it_metrics else ():  # averaged over num_iterations updates
         out[key] = float(np.mean([m[key] for m in it_metrics]))
     return out
@@ -342,5 +343,6 @@ def _write_samples(
                 "reward": s.reward,
                 "components": s.components,
                 **({"error": s.error} if s.error else {}),
+                **({"failure": s.failure} if s.failure else {}),
             }
         )
