@@ -31,6 +31,9 @@ class Spec:
     doc: str
     reference: Callable
     inputs: Callable[[random.Random], list]  # one call's positional arguments
+    # What sort of case an input is (tests cover as many sorts as they can); default:
+    # its expected value.
+    kind: Callable | None = None
 
 
 def _ints(lo, hi):
@@ -223,7 +226,7 @@ def second_largest(r):
 
 
 def _brackets(r: random.Random, pairs: str, n: int) -> str:
-    """A string that is balanced about half the time."""
+    """A bracket string: balanced, left unclosed, or with one bracket changed or cut."""
     opens, closes = pairs[::2], pairs[1::2]
     stack, out = [], []
     for _ in range(n):
@@ -233,7 +236,8 @@ def _brackets(r: random.Random, pairs: str, n: int) -> str:
             o = r.choice(opens)
             stack.append(o)
             out.append(o)
-    out += [closes[opens.index(o)] for o in reversed(stack)]
+    if r.random() < 0.75:  # else left unclosed
+        out += [closes[opens.index(o)] for o in reversed(stack)]
     s = "".join(out)
     if r.random() < 0.5 and s:
         i = r.randrange(len(s))
@@ -241,16 +245,23 @@ def _brackets(r: random.Random, pairs: str, n: int) -> str:
     return s
 
 
-def _balanced(s: str, pairs: str) -> bool:
+def _bracket_kind(s: str, pairs: str) -> str:
+    """'ok', 'unclosed', 'early_close' (a close with nothing open) or 'mismatch'."""
     opens, closes = pairs[::2], pairs[1::2]
     stack = []
     for ch in s:
         if ch in opens:
             stack.append(ch)
         elif ch in closes:
-            if not stack or opens[closes.index(ch)] != stack.pop():
-                return False
-    return not stack
+            if not stack:
+                return "early_close"
+            if opens[closes.index(ch)] != stack.pop():
+                return "mismatch"
+    return "unclosed" if stack else "ok"
+
+
+def _balanced(s: str, pairs: str) -> bool:
+    return _bracket_kind(s, pairs) == "ok"
 
 
 def balanced(r):
@@ -262,7 +273,8 @@ def balanced(r):
                 f"s contains {holds} '{pair[0]}' and '{pair[1]}'. Return True if every "
                 f"'{pair[0]}' is closed by a later '{pair[1]}' and no '{pair[1]}' comes "
                 "before its match, else False.", lambda s: _balanced(s, pair),
-                lambda r: [_sprinkle(r, _brackets(r, pair, r.randint(0, 8)), letters)])  # fmt: skip
+                lambda r: [_sprinkle(r, _brackets(r, pair, r.randint(0, 8)), letters)],
+                lambda s: _bracket_kind(s, pair))  # fmt: skip
 
 
 def _sprinkle(r: random.Random, s: str, letters: bool) -> str:
@@ -355,7 +367,8 @@ def balanced_multi(r):
                 f"s contains {holds} brackets {shown}. Return True if every opening bracket "
                 "is closed by the matching closing bracket in the right order, else False.",
                 lambda s: _balanced(s, pairs),
-                lambda r: [_sprinkle(r, _brackets(r, pairs, r.randint(0, 10)), letters)])  # fmt: skip
+                lambda r: [_sprinkle(r, _brackets(r, pairs, r.randint(0, 10)), letters)],
+                lambda s: _bracket_kind(s, pairs))  # fmt: skip
 
 
 def longest_run(r):

@@ -45,19 +45,31 @@ def split_of(key: str) -> str:
 
 
 def _tests(spec: Spec, n: int) -> tuple[list, list]:
-    """(docstring examples, hidden tests): distinct inputs drawn from the task key."""
+    """(two docstring examples, `n` hidden tests): distinct inputs drawn from the task
+    key, the hidden ones chosen to cover as many different expected values as they can
+    (both True and False, each FizzBuzz word...), so that a half-right program fails."""
     rng = random.Random(f"code-tests-{spec.key}")
     seen: set[str] = set()
     cases = []
-    for _ in range(50 * (n + 2)):
+    for _ in range(30 * (n + 2)):
         args = spec.inputs(rng)
-        if repr(args) in seen:
-            continue
-        seen.add(repr(args))
-        cases.append({"args": args, "expected": spec.reference(*args)})
-        if len(cases) == n + 2:
-            break
-    return cases[:2], cases[2:]
+        if repr(args) not in seen:
+            seen.add(repr(args))
+            cases.append({"args": args, "expected": spec.reference(*args)})
+    examples, rest = cases[:2], cases[2:]
+    hidden, kinds = [], set()
+    for c in rest:  # one case per distinct expected value first, then the rest in order
+        if spec.kind is not None:
+            kind = spec.kind(*c["args"])
+        elif isinstance(c["expected"], list):
+            kind = len(c["expected"])
+        else:
+            kind = repr(c["expected"])
+        if kind not in kinds and len(hidden) < n:
+            kinds.add(kind)
+            hidden.append(c)
+    hidden += [c for c in rest if c not in hidden][: n - len(hidden)]
+    return examples, hidden
 
 
 def prompt(spec: Spec, examples: list) -> str:
