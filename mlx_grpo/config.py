@@ -35,6 +35,12 @@ class ModelConfig(_Section):
         description="Quantized matmuls are ~10x slower than float32 on MLX's CPU backend "
         "and the fast path on GPUs: 'auto' dequantizes on CPU only.",
     )
+    init_adapter: str | None = Field(
+        None,
+        description="Start from this LoRA adapter folder (adapters.safetensors + "
+        "adapter_config.json, as mlx_lm.lora writes them, e.g. a supervised warm start); "
+        "its rank, scale, layers and keys replace the lora section.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Weights dtype. 'auto': float32 on CPU (bf16/fp16 are slow there), the "
@@ -217,7 +223,7 @@ class RecipeConfig(_Section):
     rewards: dict[str, str] = Field(
         default_factory=dict,
         description="Component name -> reward function, 'module:function' or "
-        "'file.py:function' in the recipe folder (replaces tasks.py's reward); "
+        "'file.py:function' in the recipe folder, added to tasks.py's reward if any; "
         "(task, completion) or TRL's (completions, **kwargs) signature.",
     )
     tasks: str | None = Field(

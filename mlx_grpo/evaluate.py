@@ -79,7 +79,7 @@ def summarize(results: list[TaskResult], prefix: str = "eval/") -> dict:
     names = sorted({k for r in results for k in r.components})
     for k in names:
         out[f"{prefix}{k}"] = float(np.mean([np.mean(r.components.get(k, [0.0])) for r in results]))
-    main = "success" if "success" in names else None
+    main = next((k for k in ("success", "passes") if k in names), None)
     for level in sorted({r.level for r in results}):
         at = [r for r in results if r.level == level]
         key = main or "reward"

@@ -7,8 +7,8 @@ Tasks come from `tasks.py`, which defines
 or from a JSONL file named by `recipe.tasks` (one task a line: `prompt` or `messages`,
 optional `id`, `level`, `split`; every other field goes to the task's payload).
 
-Rewards come from `tasks.py`, or, when given, from the functions named in
-`recipe.rewards` (name `tasks.py:reward` there to keep it):
+Rewards come from `tasks.py` (when it defines one) and from the functions named in
+`recipe.rewards`, whose components are added to its:
 
     reward(task: Task, completion: str) -> float | dict[str, float]
     reward_batch(tasks: list[Task], groups: list[list[str]]) -> list[list[dict]]
@@ -115,14 +115,12 @@ class Recipe:
         self.tasks_file = self.dir / tasks if tasks else None
         self.module = _load_module(self.dir, need_tasks=self.tasks_file is None)
         self.reward_fns = {k: load_function(v, self.dir, k) for k, v in (rewards or {}).items()}
-        if self.module is None and not self.reward_fns:
-            raise ConfigError(f"recipe.rewards: {self.dir} has no tasks.py; name its rewards")
-        if self.module is not None and not self.reward_fns:
-            if not callable(getattr(self.module, "reward", None)):
-                raise ConfigError(
-                    f"recipe: {self.dir / 'tasks.py'} does not define reward() "
-                    "(or name reward functions in recipe.rewards)"
-                )
+        self.own_reward = self.module is not None and callable(getattr(self.module, "reward", None))
+        if not self.own_reward and not self.reward_fns:
+            where = self.dir / "tasks.py" if self.module is not None else self.dir
+            raise ConfigError(
+                f"recipe.rewards: {where} defines no reward(); name reward functions in recipe.rewards"
+            )
         if self.tasks_file is not None and not self.tasks_file.exists():
             raise ConfigError(f"recipe.tasks: {self.tasks_file} not found")
         self.weights = dict(weights)
@@ -173,7 +171,7 @@ class Recipe:
         sandbox, a judge model, group diversity) see the whole step at once."""
         flat = [(t, c) for t, g in zip(tasks, groups) for c in g]
         parts: list[list[dict | Exception]] = [[] for _ in flat]
-        if not self.reward_fns:  # recipe.rewards, when given, replaces tasks.py's reward
+        if self.own_reward:
             for i, out in enumerate(self._module_rewards(tasks, groups)):
                 parts[i].append(out)
         for name, fn in self.reward_fns.items():
