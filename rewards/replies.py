@@ -12,6 +12,9 @@
 - `diversity`: 1 - the reply's BLEU against the other replies of its group
   (mlx_grpo/textstats.py); needs the group, so the recipe scores whole groups; a group
   of one scores 1.
+
+`success` (logged, and what compare's pass@k counts; give it no weight) marks a good
+reply: relevant, in the band, polite, punctuated, with at most one repeated trigram.
 """
 
 from __future__ import annotations
@@ -113,13 +116,17 @@ def punctuation(text: str) -> float:
 
 
 def components(text: str, keywords: list[str], lo: int, hi: int) -> dict[str, float]:
-    return {
+    out = {
         "relevance": relevance(text, keywords),
         "length": length_band(text, lo, hi),
         "tone": tone(text),
         "no_repetition": no_repetition(text),
         "punctuation": punctuation(text),
     }
+    good = all(out[k] == 1.0 for k in ("relevance", "length", "tone", "punctuation"))
+    ws = words(text)
+    out["success"] = float(good and len(ws) - 2 - round(out["no_repetition"] * (len(ws) - 2)) <= 1)
+    return out
 
 
 def reward_batch(tasks: list, groups: list[list[str]]) -> list[list[dict]]:

@@ -213,3 +213,36 @@ def test_init_adapter_errors_name_the_field(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"fine_tune_type": "dora"}')
     with pytest.raises(ModelLoadError, match="only 'lora'"):
         lora_from_adapter(tmp_path)
+
+
+def test_compare_reports_pass_at_k_and_self_bleu_for_replies(recipe):
+    from mlx_grpo.compare import compare_results, success_rule
+    from mlx_grpo.evaluate import TaskResult
+
+    tasks = recipe.tasks("eval", 4, 0)
+    good = "Thanks for sharing this, it sounds like a real {w} and I hope the next week goes well."
+    same = [good.format(w="win")] * 4
+    varied = [good.format(w=w) for w in ("win", "step", "change", "start")]
+    varied[1] = "I had the same thing happen last spring; it got better within a few days."
+
+    def results(groups):
+        out = []
+        for t, [scored] in zip(
+            tasks, [recipe.score_groups([t], [g]) for t, g in zip(tasks, groups)]
+        ):
+            comps = {k: [s.components[k] for s in scored] for k in scored[0].components}
+            out.append(
+                TaskResult(t.id, t.level, [s.reward for s in scored], comps, groups[0], [20] * 4)
+            )
+        return out
+
+    a = results([same] * len(tasks))
+    b = results([varied] * len(tasks))
+    rule = success_rule("auto", recipe, a)
+    assert rule.key == "success"
+    report = compare_results(a, b, rule, ks=(1, 4))
+    rows = {r["metric"]: r for r in report.rows}
+    assert rows["eval/self_bleu"]["a"] == pytest.approx(1.0)
+    assert rows["eval/self_bleu"]["b"] < 0.8  # three of four share a template
+    assert rows["eval/distinct_2"]["b"] > rows["eval/distinct_2"]["a"]
+    assert "eval/pass@4" in rows and "eval/diversity" in rows
