@@ -283,22 +283,34 @@ def _kill_all(proc: subprocess.Popen | None, uid: int | None) -> None:
                 finally:
                     os._exit(0)
             os.waitpid(pid, 0)
-        if not _uid_alive(uid):
-            return
+        for _ in range(20):  # SIGKILL is delivered asynchronously
+            if not _uid_alive(uid):
+                return
+            time.sleep(0.01)
 
 
 _KILL = shutil.which("kill", path="/usr/bin:/bin")
 
 
-def _uid_alive(uid: int) -> bool:
+def uid_processes(uid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of `uid` (Linux)."""
+    out = []
     for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if p.stat().st_uid == uid:
-                    return True
-            except OSError:
+        if not p.name.isdigit():
+            continue
+        try:
+            if p.stat().st_uid != uid:
                 continue
-    return False
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):  # a zombie holds no memory and runs nothing
+            out.append(int(p.name))
+    return out
+
+
+def _uid_alive(uid: int) -> bool:
+    return bool(uid_processes(uid))
 
 
 def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int) -> Outcome:

@@ -105,7 +105,6 @@ def test_judge_batched_equals_one_by_one_on_the_tiny_model(tiny_model_dir):
     assert tree_flatten(j.model.trainable_parameters()) == []
 
 
-@pytest.mark.slow
 def test_judge_ranks_a_good_answer_above_a_bad_one_with_the_embedded_model():
     from rewards.judge import get_judge
 
