@@ -61,18 +61,32 @@ def _confine(job):
             os.write(2, b"sandbox: unshare(CLONE_NEWNET) failed\n")
             os._exit(97)
     lim = job["limits"]
-    resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (lim["output_bytes"], lim["output_bytes"]))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _limit(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)
+    _limit(resource.RLIMIT_FSIZE, lim["output_bytes"])
+    _limit(resource.RLIMIT_NOFILE, 64)
+    _limit(resource.RLIMIT_CORE, 0)
     if lim.get("memory_bytes"):
-        resource.setrlimit(resource.RLIMIT_AS, (lim["memory_bytes"], lim["memory_bytes"]))
+        _limit(resource.RLIMIT_AS, lim["memory_bytes"], optional=sys.platform == "darwin")
     if job.get("uid") is not None:
         os.setgroups([])
         os.setgid(job["gid"])
         os.setuid(job["uid"])
     if lim.get("nproc"):
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
+        _limit(resource.RLIMIT_NPROC, lim["nproc"])
+
+
+def _limit(res, soft, hard=None, optional=False):
+    """Set a limit, never above the hard limit already in force (which only root may
+    raise); `optional` limits (RLIMIT_AS on macOS, which does not enforce it) may fail."""
+    cur_hard = resource.getrlimit(res)[1]
+    hard = soft if hard is None else hard
+    if cur_hard != resource.RLIM_INFINITY:
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    try:
+        resource.setrlimit(res, (soft, hard))
+    except (ValueError, OSError):
+        if not optional:
+            raise
 
 
 def _allowed_roots(tmp):

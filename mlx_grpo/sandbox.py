@@ -14,7 +14,7 @@ What holds, by layer (each job):
 | RLIMIT_CPU, RLIMIT_FSIZE (output cap), RLIMIT_NOFILE, RLIMIT_CORE=0 | yes | yes | yes |
 | RLIMIT_AS (memory) | yes | yes | not enforced by macOS; a failed allocation is still reported as `memory` |
 | unprivileged uid per worker slot (60000+slot), so RLIMIT_NPROC bounds a fork bomb, other users' files follow normal permissions, and every process of that uid is killed after the job | yes | runs as you: RLIMIT_NPROC is set to your current process count + `nproc` | same as Linux, not root |
-| empty network namespace (unshare CLONE_NEWNET): no interface but a down loopback | yes | no | no |
+| empty network namespace (unshare CLONE_NEWNET): no interface but a down loopback | yes (unless a container withholds CAP_SYS_ADMIN: probed once) | no | no |
 | audit hook (PEP 578) in the child: refuses and records file access outside the temp dir and the stdlib, sockets, fork/exec/subprocess, signals, chdir, ctypes | yes | yes | yes |
 
 The audit hook is defence in depth, not a boundary: C code reached some other way
@@ -97,14 +97,35 @@ def _root_linux() -> bool:
     return sys.platform.startswith("linux") and os.geteuid() == 0
 
 
+_NETNS: bool | None = None
+
+
+def network_namespace_available() -> bool:
+    """Whether a child can unshare(CLONE_NEWNET) here: root on Linux, and not a
+    container that withholds CAP_SYS_ADMIN (probed once)."""
+    global _NETNS
+    if _NETNS is None:
+        _NETNS = _root_linux() and (
+            subprocess.run(
+                [sys.executable, "-I", "-S", "-c", _NETNS_PROBE], capture_output=True, env={}
+            ).returncode
+            == 0
+        )
+    return _NETNS
+
+
+_NETNS_PROBE = (
+    "import ctypes, sys\nsys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0)"
+)
+
+
 def isolation_summary() -> dict[str, bool]:
     """Which layers this machine gives (see the module docstring)."""
-    root = _root_linux()
     return {
         "rlimits": True,
         "memory_limit": sys.platform != "darwin",
-        "separate_uid": root,
-        "network_namespace": root,
+        "separate_uid": _root_linux(),
+        "network_namespace": network_namespace_available(),
         "audit_hook": True,
     }
 
@@ -136,6 +157,7 @@ class Sandbox:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.audit = audit
         self.root = _root_linux()
+        self.netns = network_namespace_available()
         self._slots = list(range(self.workers))
         self._lock = threading.Lock()
 
@@ -170,7 +192,7 @@ class Sandbox:
                 "code": job.code,
                 "func": job.func,
                 "inputs": job.inputs,
-                "netns": self.root,
+                "netns": self.netns,
                 "uid": uid,
                 "gid": uid,
                 "audit": self.audit,

@@ -20,6 +20,7 @@ from mlx_grpo.sandbox import (
     Limits,
     Sandbox,
     isolation_summary,
+    network_namespace_available,
     uid_processes,
 )
 
@@ -135,7 +136,10 @@ def test_os_limits_hold_without_the_audit_hook(tmp_path):
         assert [uid_processes(SLOT_UID_BASE + i) for i in range(sb.workers)] == [[], []]
 
 
-@pytest.mark.skipif(not ROOT_LINUX, reason="network namespace and uid drop need root on Linux")
+@pytest.mark.skipif(
+    not (ROOT_LINUX and network_namespace_available()),
+    reason="the network namespace and the uid drop need root on Linux (and CAP_SYS_ADMIN)",
+)
 def test_network_namespace_and_uid_hold_without_the_audit_hook(home_secret):
     srv, hits, stop = _listener()
     port = srv.getsockname()[1]
