@@ -245,3 +245,29 @@ def test_compare_reports_pass_at_k_and_self_bleu_for_replies(recipe):
     assert rows["eval/self_bleu"]["b"] < 0.8  # three of four share a template
     assert rows["eval/distinct_2"]["b"] > rows["eval/distinct_2"]["a"]
     assert "eval/pass@4" in rows and "eval/diversity" in rows
+
+
+def test_judge_is_added_to_a_recipe_from_the_command_line(monkeypatch):
+    from mlx_grpo.config import parse_overrides
+    from rewards import judge as judge_mod
+
+    over = parse_overrides(
+        ["--recipe.rewards.judge=rewards.judge:reply_judge", "--recipe.weights.judge=1.0"]
+    )
+    cfg = build_config(recipe_defaults("replies"), None, over)
+    r = Recipe.from_config(cfg.recipe)
+    assert r.reward_fns["judge"] is judge_mod.reply_judge
+    seen = {}
+
+    def fake_judge(completions, prompts, **kw):  # stands in for the model: records its inputs
+        seen.update(n=len(completions), post=prompts[0][-1]["content"])
+        return [0.25] * len(completions)
+
+    monkeypatch.setitem(r.reward_fns, "judge", fake_judge)
+    task = r.tasks("train", 1, 0)[0]
+    [scored] = r.score_groups([task], [["Nice post, thanks for sharing it with us all."] * 3])
+    assert seen == {"n": 3, "post": task.payload["post"]}
+    assert all(s.components["judge"] == 0.25 and "relevance" in s.components for s in scored)
+    assert scored[0].reward == pytest.approx(
+        sum(w * scored[0].components[k] for k, w in cfg.recipe.weights.items())
+    )
