@@ -3,7 +3,9 @@
 Components, each in [0, 1] (weights in the recipe's recipe.toml):
 
 - `passes`: 1.0 when every hidden test returns the expected value.
-- `partial`: the share of hidden tests passed.
+- `partial`: the share of hidden tests passed beyond what the best constant answer
+  would pass (chance-corrected, like Cohen's kappa, floored at 0): without the
+  correction a policy learns `return True` for half the credit of a boolean task.
 - `compiles`: the extracted code parses and defines the asked-for function.
 - `format`: 1.0 for exactly one ```python block and nothing else, 0.5 for a fenced
   block with other text around it, 0 for bare code.
@@ -111,13 +113,29 @@ def _components(task, text: str, outcome) -> dict:
         return {k: 0.0 for k in comps} | {"failure": outcome.reason}
     comps["compiles"] = float(defines(code, func))
     passed = sum(same_value(v, t["expected"]) for v, t in zip(outcome.values, tests))
-    comps["partial"] = passed / len(tests)
+    comps["partial"] = chance_corrected(passed, [t["expected"] for t in tests])
     comps["passes"] = float(passed == len(tests))
     if passed < len(tests):
         comps["failure"] = outcome.reason or (
             "runtime_error" if None in outcome.values else "wrong_answer"
         )
     return comps
+
+
+def chance_corrected(passed: int, expected: list) -> float:
+    """(share passed - share a constant answer passes) / (1 - the latter), floored at 0.
+
+    >>> chance_corrected(4, [True, False, True, False]), chance_corrected(2, [True, False, True, False])
+    (1.0, 0.0)
+    >>> chance_corrected(2, [1, 2, 3, 4])  # a constant passes 1 in 4
+    0.3333333333333333
+    """
+    n = len(expected)
+    reprs = [repr(e) for e in expected]
+    best_constant = max(reprs.count(r) for r in set(reprs)) / n
+    if best_constant >= 1.0:
+        return float(passed == n)
+    return max(0.0, (passed / n - best_constant) / (1.0 - best_constant))
 
 
 def _job(task, text: str) -> Job | None:

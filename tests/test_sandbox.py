@@ -184,3 +184,19 @@ def test_ordinary_failures_keep_earned_components(fast_sandbox):
     assert out[3]["failure"] == "syntax" and out[3]["compiles"] == 0.0
     assert out[4]["failure"] == "no_code"
     assert out[5]["failure"] == "no_function" and out[5]["compiles"] == 0.0
+
+
+def test_a_constant_answer_earns_no_partial_credit(fast_sandbox):
+    task = _task("even", [([n], n % 2 == 0) for n in (1, 2, 3, 4, 6, 7)])
+    const, half = code_reward.reward_batch(
+        [task],
+        [
+            [
+                _fenced("def even(n):\n    return True"),
+                _fenced("def even(n):\n    return n < 5 and n % 2 == 0"),
+            ]
+        ],
+    )[0]
+    assert const["partial"] == 0.0 and const["compiles"] == 1.0  # passes 3 of 6: chance
+    # 5 of 6 against a constant's 3 of 6: (5/6 - 1/2) / (1/2) = 2/3.
+    assert half["partial"] == pytest.approx(2 / 3) and half["passes"] == 0.0
