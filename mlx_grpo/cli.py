@@ -19,7 +19,7 @@ from mlx_grpo.recipe import recipe_defaults
 
 USAGE = """\
 python -m mlx_grpo train [--recipe NAME|PATH] [--config FILE.toml] [--resume [RUN_DIR]]
-                         [--section.field=value ...]
+                         [--init-adapter DIR] [--section.field=value ...]
 
 Sections: model, lora, rollout, grpo, optimizer, train, curriculum, recipe, output
 (see mlx_grpo/config.py for every field). Examples:
@@ -32,6 +32,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--recipe", default=None)
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--resume", nargs="?", const="", default=None)
+    p.add_argument("--init-adapter", default=None, help="start from this mlx_lm LoRA adapter")
     return p.parse_known_args(argv)
 
 
@@ -57,6 +58,14 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
         return cfg, run_dir, step_dir
 
     name = args.recipe or overrides.get("recipe", {}).get("name") or "arithmetic"
+    if args.init_adapter:
+        overrides.setdefault("model", {})["init_adapter"] = args.init_adapter
+    init = overrides.get("model", {}).get("init_adapter")
+    if init:
+        from mlx_grpo.models import lora_from_adapter
+
+        # The adapter's shape decides the lora section (it must fit its weights).
+        overrides["lora"] = {**overrides.get("lora", {}), **lora_from_adapter(init)}
     cfg = build_config(recipe_defaults(name), args.config, overrides, source="config")
     run = cfg.output.run or f"{Path(cfg.recipe.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.output.run = run
@@ -84,19 +93,27 @@ def cmd_train(argv: list[str]) -> int:
     from mlx_grpo.dist import Dist
     from mlx_grpo.evaluate import make_eval_fn
     from mlx_grpo.log import Display
-    from mlx_grpo.models import adapter_config, apply_lora, load_model, trainable_count
+    from mlx_grpo.models import (
+        adapter_config,
+        apply_lora,
+        load_init_adapter,
+        load_model,
+        trainable_count,
+    )
     from mlx_grpo.recipe import Recipe
     from mlx_grpo.trainer import build_optimizer, train
 
     dist = Dist()
     cfg, run_dir, resume_from = _shared_config(dist, argv)
     mx.random.seed(cfg.train.seed)
-    recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
+    recipe = Recipe.from_config(cfg.recipe)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
     curriculum = make_curriculum(cfg.curriculum, train_tasks, cfg.train.seed, recipe.max_reward)
 
     model, tokenizer = load_model(cfg.model)
     apply_lora(model, cfg.lora, seed=cfg.train.seed)
+    if cfg.model.init_adapter and resume_from is None:
+        load_init_adapter(model, cfg.model.init_adapter)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps * cfg.grpo.num_iterations)
 
     if dist.is_main:
@@ -125,6 +142,7 @@ def cmd_train(argv: list[str]) -> int:
             f"({trainable_count(model) / 1e6:.2f}M trainable); {len(train_tasks)} train tasks; "
             f"B={cfg.train.batch_size} x G={cfg.grpo.num_generations}{ranks}; run dir {run_dir}"
             + (f"; resuming from {resume_from.name}" if resume_from else "")
+            + (f"; adapters start from {cfg.model.init_adapter}" if cfg.model.init_adapter else "")
         )
     with display:
         try:

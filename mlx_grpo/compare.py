@@ -59,6 +59,7 @@ from mlx_grpo.checkpoint import saved_step
 from mlx_grpo.config import ConfigError, ModelConfig, RunConfig, build_config, parse_overrides
 from mlx_grpo.evaluate import TaskResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults, recipe_dir
+from mlx_grpo.textstats import distinct_n, self_bleu
 
 # Floating-point slack when comparing rewards (ties, "reached the best value").
 TOL = 1e-6
@@ -213,11 +214,11 @@ class SuccessRule:
 
 
 def success_rule(key: str, recipe: Recipe, results: list[TaskResult]) -> SuccessRule:
-    """`auto`: the `success` component when the reward has one, else the weighted reward
-    at the recipe's best. A component is in [0, 1], so its best is 1."""
+    """`auto`: the `success` (else `passes`) component when the reward has one, else the
+    weighted reward at the recipe's best. A component is in [0, 1], so its best is 1."""
     comps = {k for r in results for k in r.components}
     if key == "auto":
-        key = "success" if "success" in comps else "reward"
+        key = next((k for k in ("success", "passes") if k in comps), "reward")
     if key == "reward":
         return SuccessRule("reward", recipe.max_reward)
     if key not in comps:
@@ -231,7 +232,9 @@ def success_rule(key: str, recipe: Recipe, results: list[TaskResult]) -> Success
 def task_values(
     results: list[TaskResult], components: list[str], success: SuccessRule, ks: list[int]
 ) -> dict[str, np.ndarray]:
-    """{metric: per-task value}: reward, each component, pass@k, completion length."""
+    """{metric: per-task value}: reward, each component, pass@k, completion length, and,
+    with two or more samples per task, the diversity of a task's samples (Self-BLEU,
+    lower is more diverse, and distinct-2)."""
     out = {"eval/reward": np.array([np.mean(r.rewards) for r in results])}
     for k in components:
         out[f"eval/{k}"] = np.array([np.mean(r.components.get(k, [0.0])) for r in results])
@@ -240,6 +243,9 @@ def task_values(
             [pass_at_k(len(r.rewards), sum(success(r)), k) for r in results]
         )
     out["eval/completion/len_mean"] = np.array([np.mean(r.tokens) for r in results])
+    if all(len(r.texts) >= 2 for r in results):
+        out["eval/self_bleu"] = np.array([self_bleu(r.texts) for r in results])
+        out["eval/distinct_2"] = np.array([distinct_n(r.texts, 2) for r in results])
     return out
 
 
@@ -824,7 +830,7 @@ def run_compare(argv: list[str], console=None) -> dict:
     a = resolve_side("a", args.a, args.a_adapter)
     b = resolve_side("b", args.b, args.b_adapter)
     cfg = resolve_eval_config(args.recipe, overrides, [a, b])
-    recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
+    recipe = Recipe.from_config(cfg.recipe)
     tasks = recipe.tasks("eval", args.n_tasks or cfg.recipe.eval_size, args.seed)
     if not args.allow_tokenizer_mismatch:
         check_tokenizers(a, b, recipe, tasks, cfg.rollout.max_prompt_tokens)

@@ -35,6 +35,12 @@ class ModelConfig(_Section):
         description="Quantized matmuls are ~10x slower than float32 on MLX's CPU backend "
         "and the fast path on GPUs: 'auto' dequantizes on CPU only.",
     )
+    init_adapter: str | None = Field(
+        None,
+        description="Start from this LoRA adapter folder (adapters.safetensors + "
+        "adapter_config.json, as mlx_lm.lora writes them, e.g. a supervised warm start); "
+        "its rank, scale, layers and keys replace the lora section.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Weights dtype. 'auto': float32 on CPU (bf16/fp16 are slow there), the "
@@ -220,6 +226,15 @@ class RecipeConfig(_Section):
     params: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the recipe's task generator."
     )
+    rewards: dict[str, str] = Field(
+        default_factory=dict,
+        description="Component name -> reward function, 'module:function' or "
+        "'file.py:function' in the recipe folder, added to tasks.py's reward if any; "
+        "(task, completion) or TRL's (completions, **kwargs) signature.",
+    )
+    tasks: str | None = Field(
+        None, description="A JSONL file of tasks in the recipe folder (instead of tasks.py)."
+    )
     train_size: int = Field(2000, ge=1)
     eval_size: int = Field(200, ge=1)
 
@@ -280,7 +295,11 @@ def _known_fields(section: str) -> list[str]:
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("weights", "params"):
+        if (
+            isinstance(v, dict)
+            and isinstance(out.get(k), dict)
+            and k not in ("weights", "params", "rewards")
+        ):
             out[k] = _merge(out[k], v)
         elif isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = {**out[k], **v}

@@ -17,7 +17,6 @@ from mlx_grpo.config import RolloutConfig
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.rollout import make_rollout_sampler, rollout_tasks
 
-
 MAX_EPISODES = 64  # multi-turn episodes rolled out together (their caches add up)
 
 
@@ -66,9 +65,8 @@ def evaluate(
         chunk = tasks[lo : lo + batch_tasks]
         rollout = rollout_tasks(model, tokenizer, recipe, chunk, samples, cfg, sampler)
         results = {t.id: TaskResult(t.id, t.level, [], {}, [], []) for t in chunk}
-        for c in rollout.completions:
+        for c, s in zip(rollout.completions, recipe.score_rollout(chunk, rollout)):
             task = chunk[c.prompt_index]
-            s = recipe.score(task, c.episode or c.text)
             r = results[task.id]
             r.rewards.append(s.reward)
             r.texts.append(c.text)
@@ -86,7 +84,7 @@ def summarize(results: list[TaskResult], prefix: str = "eval/") -> dict:
     names = sorted({k for r in results for k in r.components})
     for k in names:
         out[f"{prefix}{k}"] = float(np.mean([np.mean(r.components.get(k, [0.0])) for r in results]))
-    main = "success" if "success" in names else None
+    main = next((k for k in ("success", "passes") if k in names), None)
     for level in sorted({r.level for r in results}):
         at = [r for r in results if r.level == level]
         key = main or "reward"

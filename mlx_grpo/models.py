@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -103,6 +104,50 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> nn.Module:
     linear_to_lora_layers(model, num_lora_layers(model, cfg), lora_parameters(cfg))
     mx.eval(model.parameters())
     return model
+
+
+def lora_from_adapter(folder: str | Path) -> dict:
+    """The lora-section values of an mlx_lm adapter folder's adapter_config.json."""
+    path = Path(folder).expanduser() / "adapter_config.json"
+    if not path.exists():
+        raise ModelLoadError(f"model.init_adapter: {path} not found (not an mlx_lm adapter folder)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"model.init_adapter: {path}: invalid JSON: {e.msg}") from None
+    kind = meta.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise ModelLoadError(f"model.init_adapter: {path}: fine_tune_type '{kind}' (only 'lora')")
+    params = meta.get("lora_parameters", {})
+    out = {"num_layers": meta.get("num_layers", -1)}
+    for k in ("rank", "scale", "dropout", "keys"):
+        if k in params:
+            out[k] = params[k]
+    return out
+
+
+def load_init_adapter(model: nn.Module, folder: str | Path) -> None:
+    """Set the LoRA weights (already applied with the folder's config) from the folder;
+    every missing, unexpected or mis-shaped tensor is reported in one line."""
+    path = Path(folder).expanduser() / "adapters.safetensors"
+    if not path.exists():
+        raise ModelLoadError(f"model.init_adapter: {path} not found")
+    weights = mx.load(str(path))
+    own = dict(tree_flatten(model.trainable_parameters()))
+    missing = sorted(set(own) - set(weights))
+    extra = sorted(set(weights) - set(own))
+    shapes = [k for k in own if k in weights and weights[k].shape != own[k].shape]
+    if missing or extra or shapes:
+        parts = [
+            f"{what} {len(ks)} (e.g. {ks[0]})"
+            for what, ks in (("missing", missing), ("unexpected", extra), ("wrong shape", shapes))
+            if ks
+        ]
+        raise ModelLoadError(
+            f"model.init_adapter: {path} does not fit the model: {'; '.join(parts)}"
+        )
+    model.load_weights([(k, weights[k].astype(own[k].dtype)) for k in own], strict=False)
+    mx.eval(model.parameters())
 
 
 def adapter_config(cfg: LoRAConfig, model: nn.Module, base: str) -> dict:

@@ -1,24 +1,46 @@
-"""Recipes: a folder with `recipe.toml` (run defaults) and `tasks.py` (tasks + reward).
+"""Recipes: a folder with `recipe.toml` (run defaults) and its tasks and rewards.
 
-`tasks.py` defines
+Tasks come from `tasks.py`, which defines
 
     make_tasks(split: str, n: int, seed: int, **params) -> list[Task]
+
+or from a JSONL file named by `recipe.tasks` (one task a line: `prompt` or `messages`,
+optional `id`, `level`, `split`; every other field goes to the task's payload).
+
+Rewards come from `tasks.py` (when it defines one) and from the functions named in
+`recipe.rewards`, whose components are added to its:
+
     reward(task: Task, completion: str) -> float | dict[str, float]
+    reward_batch(tasks: list[Task], groups: list[list[str]]) -> list[list[dict]]
+        (optional, preferred when present: one call per step with every group's G
+        completions, for rewards that run in parallel or compare samples in a group)
 
-and, for multi-turn recipes (see mlx_grpo/env.py),
+`recipe.rewards` maps a component name to "module:function" or "file.py:function"
+(relative to the recipe folder). Such a function has the signature above, or TRL's
+`f(completions: list[str], **kwargs) -> list[float]`, called once per step with
+`prompts` (each task's messages), `task_ids`, `levels` and every payload field as
+per-completion lists. A function returning a dict contributes each of its keys.
 
-    make_env(task: Task) -> Env              # reset() -> str, step(text) -> StepResult
-    reward(task: Task, episode: Episode) -> float | dict[str, float]
+Multi-turn recipes (see mlx_grpo/env.py) add `make_env(task) -> Env`, and their
+`reward(task, episode)` receives the Episode.
 
-Tasks are deterministic in (split, n, seed, params) and the train and eval splits
-never share a task. The run's reward is the weighted sum of the components named in
-`recipe.weights`; components without a weight are logged but not optimised.
+A reward dict may carry `failure: str` naming why a completion failed (a sandbox limit,
+a wrong answer...); it is not a component, and the trainer counts each reason per step
+as `fail/<reason>`. Tasks are deterministic in (split, n, seed, params) and the train
+and eval splits never share a task. The run's reward is the weighted sum of the
+components named in `recipe.weights`; components without a weight are logged but not
+optimised.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
+import inspect
+import json
 import math
+import random
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -48,6 +70,7 @@ class Scored:
     reward: float
     components: dict[str, float]
     error: str | None = None
+    failure: str | None = None
 
 
 def recipe_dir(name: str) -> Path:
@@ -79,14 +102,36 @@ def recipe_defaults(name: str) -> dict:
 class Recipe:
     """A loaded recipe: its tasks and its weighted reward."""
 
-    def __init__(self, name: str, weights: dict[str, float], params: dict[str, Any]):
+    def __init__(
+        self,
+        name: str,
+        weights: dict[str, float],
+        params: dict[str, Any],
+        rewards: dict[str, str] | None = None,
+        tasks: str | None = None,
+    ):
         self.name = name
         self.dir = recipe_dir(name)
-        self.module = _load_module(self.dir)
+        self.tasks_file = self.dir / tasks if tasks else None
+        self.module = _load_module(self.dir, need_tasks=self.tasks_file is None)
+        self.reward_fns = {k: load_function(v, self.dir, k) for k, v in (rewards or {}).items()}
+        self.own_reward = self.module is not None and callable(getattr(self.module, "reward", None))
+        if not self.own_reward and not self.reward_fns:
+            where = self.dir / "tasks.py" if self.module is not None else self.dir
+            raise ConfigError(
+                f"recipe.rewards: {where} defines no reward(); name reward functions in recipe.rewards"
+            )
+        if self.tasks_file is not None and not self.tasks_file.exists():
+            raise ConfigError(f"recipe.tasks: {self.tasks_file} not found")
         self.weights = dict(weights)
         self.params = dict(params)
         self._checked = False
         self.multi_turn = callable(getattr(self.module, "make_env", None))
+
+    @classmethod
+    def from_config(cls, cfg) -> Recipe:
+        """From a RecipeConfig (the run config's `recipe` section)."""
+        return cls(cfg.name, cfg.weights, cfg.params, cfg.rewards, cfg.tasks)
 
     @property
     def max_reward(self) -> float:
@@ -103,10 +148,13 @@ class Recipe:
         return [*task.messages, {"role": "user", "content": env.reset()}]
 
     def tasks(self, split: str, n: int, seed: int) -> list[Task]:
-        try:
-            tasks = self.module.make_tasks(split, n, seed, **self.params)
-        except TypeError as e:
-            raise ConfigError(f"recipe.params: {self.dir / 'tasks.py'}: {e}") from None
+        if self.tasks_file is not None:
+            tasks = jsonl_tasks(self.tasks_file, split, n, seed)
+        else:
+            try:
+                tasks = self.module.make_tasks(split, n, seed, **self.params)
+            except TypeError as e:
+                raise ConfigError(f"recipe.params: {self.dir / 'tasks.py'}: {e}") from None
         if not tasks:
             raise ConfigError(f"recipe: {self.name} made no {split} tasks with {self.params}")
         return tasks
@@ -115,25 +163,76 @@ class Recipe:
         """Weighted reward of one completion (text, or an Episode for multi-turn
         recipes). A reward that raises or returns a non-finite value scores 0 on
         every component and reports the error."""
+        return self.score_groups([task], [[completion]])[0][0]
+
+    def score_groups(self, tasks: list[Task], groups: list[list]) -> list[list[Scored]]:
+        """Weighted rewards of every completion of every group (`groups[i]` holds
+        completions of `tasks[i]`): one call per step, so that batch rewards (the
+        sandbox, a judge model, group diversity) see the whole step at once."""
+        flat = [(t, c) for t, g in zip(tasks, groups) for c in g]
+        parts: list[list[dict | Exception]] = [[] for _ in flat]
+        if self.own_reward:
+            for i, out in enumerate(self._module_rewards(tasks, groups)):
+                parts[i].append(out)
+        for name, fn in self.reward_fns.items():
+            for i, out in enumerate(_call_reward(fn, name, flat)):
+                parts[i].append(out)
+        scored = [self._weigh(p) for p in parts]
+        out, i = [], 0
+        for g in groups:
+            out.append(scored[i : i + len(g)])
+            i += len(g)
+        return out
+
+    def score_rollout(self, tasks: list[Task], rollout) -> list[Scored]:
+        """Every completion's Scored, in rollout order (groups of G per task)."""
+        g = rollout.group_size
+        comps = rollout.completions
+        groups = [
+            [c.episode or c.text for c in comps[i * g : (i + 1) * g]] for i in range(len(tasks))
+        ]
+        return [s for group in self.score_groups(tasks, groups) for s in group]
+
+    def _module_rewards(self, tasks, groups) -> list[dict | Exception]:
+        batch = getattr(self.module, "reward_batch", None)
+        if callable(batch):
+            try:
+                res = batch(tasks, groups)
+                if [len(r) for r in res] != [len(g) for g in groups]:
+                    raise ValueError("reward_batch returned a different shape than its groups")
+                return [r for rs in res for r in rs]
+            except Exception as e:
+                return [e] * sum(len(g) for g in groups)
+        return _call_reward(
+            self.module.reward, "reward", [(t, c) for t, g in zip(tasks, groups) for c in g]
+        )
+
+    def _weigh(self, parts: list) -> Scored:
+        errors = [p for p in parts if isinstance(p, Exception)]
+        if errors:
+            e = errors[0]
+            err = "".join(traceback.format_exception_only(type(e), e)).strip()
+            return Scored(0.0, dict.fromkeys(self.weights or ["reward"], 0.0), err)
+        comps: dict[str, float] = {}
+        failure = None
         try:
-            out = self.module.reward(task, completion)
-            comps = (
-                {"reward": float(out)}
-                if isinstance(out, (int, float))
-                else {k: float(v) for k, v in out.items()}
-            )
+            for p in parts:
+                for k, v in p.items():
+                    if k == "failure":
+                        failure = failure or (str(v) if v else None)
+                    else:
+                        comps[k] = float(v)
             if not all(math.isfinite(v) for v in comps.values()):
                 raise ValueError(f"non-finite reward component in {comps}")
-        except Exception as e:
+        except (TypeError, ValueError, AttributeError) as e:
             err = "".join(traceback.format_exception_only(type(e), e)).strip()
-            comps = dict.fromkeys(self.weights or ["reward"], 0.0)
-            return Scored(0.0, comps, err)
+            return Scored(0.0, dict.fromkeys(self.weights or ["reward"], 0.0), err)
         self._check_weights(comps)
         if not self.weights:
             total = sum(comps.values()) if len(comps) == 1 else comps.get("reward", 0.0)
         else:
             total = sum(w * comps.get(k, 0.0) for k, w in self.weights.items())
-        return Scored(total, comps)
+        return Scored(total, comps, None, failure)
 
     def _check_weights(self, comps: dict[str, float]) -> None:
         if self._checked:
@@ -151,16 +250,129 @@ class Recipe:
         self._checked = True
 
 
-def _load_module(folder: Path) -> ModuleType:
-    path = folder / "tasks.py"
-    if not path.exists():
-        raise ConfigError(f"recipe: {path} is missing (it defines make_tasks and reward)")
-    mod_name = f"mlx_grpo_recipe_{folder.name}"
+def _call_reward(fn, name: str, flat: list[tuple[Task, Any]]) -> list[dict | Exception]:
+    """`fn` on every (task, completion): per completion, or once for a TRL-style
+    `f(completions, **kwargs)`; each result as a dict of components, or the exception."""
+    if _is_trl(fn):
+        try:
+            keys = sorted({k for t, _ in flat for k in t.payload})
+            values = fn(
+                completions=[c if isinstance(c, str) else str(c) for _, c in flat],
+                prompts=[t.messages for t, _ in flat],
+                task_ids=[t.id for t, _ in flat],
+                levels=[t.level for t, _ in flat],
+                **{k: [t.payload.get(k) for t, _ in flat] for k in keys},
+            )
+            values = list(values)
+            if len(values) != len(flat):
+                raise ValueError(
+                    f"{name}: returned {len(values)} rewards for {len(flat)} completions"
+                )
+            return [_as_components(name, v) for v in values]
+        except Exception as e:
+            return [e] * len(flat)
+    out: list[dict | Exception] = []
+    for task, completion in flat:
+        try:
+            out.append(_as_components(name, fn(task, completion)))
+        except Exception as e:
+            out.append(e)
+    return out
+
+
+def _as_components(name: str, value) -> dict:
+    if isinstance(value, dict):
+        return value
+    if value is None:  # TRL: "not applicable to this sample"
+        return {name: 0.0}
+    return {name: float(value)}
+
+
+def _is_trl(fn) -> bool:
+    """TRL's reward signature: the first parameter is `completions` (plus **kwargs)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].name == "completions"
+
+
+def load_function(spec: str, folder: Path, field_name: str = "reward"):
+    """'package.module:function' or 'file.py:function' (relative to `folder`)."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ConfigError(
+            f"recipe.rewards.{field_name}: '{spec}' is not 'module:function' or 'file.py:function'"
+        )
+    if target.endswith(".py"):
+        path = (folder / target).resolve()
+        if not path.exists():
+            raise ConfigError(f"recipe.rewards.{field_name}: {path} not found")
+        module = _import_path(path, f"mlx_grpo_reward_{path.stem}_{_short_hash(str(path))}")
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ConfigError(f"recipe.rewards.{field_name}: cannot import {target}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"recipe.rewards.{field_name}: {target} has no function {attr}")
+    return fn
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _import_path(path: Path, mod_name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     spec.loader.exec_module(module)
-    for attr in ("make_tasks", "reward"):
-        if not callable(getattr(module, attr, None)):
-            raise ConfigError(f"recipe: {path} does not define {attr}()")
+    return module
+
+
+def jsonl_tasks(path: Path, split: str, n: int, seed: int, eval_share: int = 10) -> list[Task]:
+    """Tasks of `split` from a JSONL file, shuffled by `seed`, at most `n`. A line
+    without `split` belongs to eval when the hash of its id falls in 1 of `eval_share`."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    tasks: list[Task] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+                raise ConfigError(f"{path}:{lineno}: a task needs 'prompt' or 'messages'")
+            messages = row.pop("messages", None) or [{"role": "user", "content": row.pop("prompt")}]
+            row.pop("prompt", None)
+            tid = str(row.pop("id", None) or _short_hash(json.dumps(messages)))
+            level = row.pop("level", 1)
+            if not isinstance(level, int):
+                raise ConfigError(f"{path}:{lineno}: level must be an integer, got {level!r}")
+            row_split = row.pop("split", None)
+            if row_split is None:
+                row_split = "eval" if int(_short_hash(tid), 16) % eval_share == 0 else "train"
+            if row_split != split:
+                continue
+            tasks.append(Task(id=tid, level=level, messages=messages, payload=row))
+    random.Random(f"jsonl-{seed}").shuffle(tasks)
+    return tasks[:n]
+
+
+def _load_module(folder: Path, need_tasks: bool = True) -> ModuleType | None:
+    path = folder / "tasks.py"
+    if not path.exists():
+        if not need_tasks:
+            return None
+        raise ConfigError(
+            f"recipe: {path} is missing (it defines make_tasks; or set recipe.tasks to a JSONL file)"
+        )
+    module = _import_path(path, f"mlx_grpo_recipe_{folder.name}_{_short_hash(str(path.resolve()))}")
+    if need_tasks and not callable(getattr(module, "make_tasks", None)):
+        raise ConfigError(f"recipe: {path} does not define make_tasks()")
     return module

@@ -198,10 +198,7 @@ def train(
             cfg.rollout,
             keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g]),
         )
-        scored = [
-            recipe.score(tasks[mine.start + c.prompt_index], c.episode or c.text)
-            for c in rollout.completions
-        ]
+        scored = recipe.score_rollout(tasks[mine.start : mine.stop], rollout)
         sample_step = bool(
             cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
         )
@@ -329,6 +326,7 @@ def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> di
             "reward": s.reward,
             "components": s.components,
             "error": s.error,
+            "failure": s.failure,
             "truncated": c.truncated,
             "tokens": c.model_tokens,
             "turns": c.episode.turns if c.episode is not None else None,
@@ -447,6 +445,9 @@ def _step_metrics(
         out["episode/turns_mean"] = float(np.mean(turns))
     for name in records[0]["components"]:
         out[f"reward/{name}"] = float(np.mean([r["components"].get(name, 0.0) for r in records]))
+    # Why completions failed, as the reward named it (sandbox limits, wrong answers...).
+    for reason in sorted({r["failure"] for r in records if r["failure"]}):
+        out[f"fail/{reason}"] = sum(r["failure"] == reason for r in records)
     for key in it_metrics[0] if it_metrics else ():  # averaged over num_iterations updates
         out[key] = float(np.mean([m[key] for m in it_metrics]))
     return out
@@ -489,5 +490,6 @@ def _write_samples(
                 "reward": r["reward"],
                 "components": r["components"],
                 **({"error": r["error"]} if r["error"] else {}),
+                **({"failure": r["failure"]} if r["failure"] else {}),
             }
         )

@@ -125,7 +125,12 @@ def test_rows_match_independent_computations(a_counts, b_counts):
         "eval/pass@2",
         "eval/pass@4",
         "eval/completion/len_mean",
+        "eval/self_bleu",
+        "eval/distinct_2",
     ]
+    # Every task's samples are one repeated one-word text: Self-BLEU 1, no bigrams.
+    assert rows["eval/self_bleu"]["a"] == pytest.approx(1.0)
+    assert rows["eval/distinct_2"]["a"] == 0.0
     va = [c / 4 for c in a_counts]
     vb = [c / 4 for c in b_counts]
     d = [y - x for x, y in zip(va, vb)]

@@ -1,0 +1,241 @@
+"""The sandboxed process: confine itself, run one program, report what its calls returned.
+
+Started by mlx_grpo.sandbox as `python -I -S _sandbox_child.py` with a fresh temporary
+directory as cwd. It reads one JSON job from stdin, then, before any untrusted code:
+
+1. (root on Linux) enters a new, empty network namespace (unshare(CLONE_NEWNET)),
+2. sets the resource limits (CPU seconds, address space, file size, processes, files),
+3. (root) drops to the job's unprivileged uid/gid, so RLIMIT_NPROC applies to it,
+4. points fds 1 and 2 at out.txt in the temporary directory (user prints land there,
+   capped by RLIMIT_FSIZE) and keeps a private copy of the original stdout for results,
+5. installs an audit hook (sys.addaudithook) that refuses, and records, file access
+   outside the temporary directory and the standard library, sockets, new processes,
+   signals to other processes and ctypes.
+
+Then it executes the program and calls `func(*args)` for each test input. Only the
+*returned values* are sent back (as repr); the expected values never enter this process,
+so nothing the program does here can make a wrong answer count as right.
+
+Only the standard library is imported, and nothing from the project: this file runs
+under `-I -S` (no site-packages, no PYTHONPATH, no cwd on sys.path).
+"""
+
+import errno
+import json
+import os
+import resource
+import sys
+import sysconfig
+
+VIOLATIONS = []  # (reason, detail) of every refused operation, even if the program catches it
+
+
+class SandboxViolation(PermissionError):
+    pass
+
+
+def _deny(reason, detail):
+    VIOLATIONS.append((reason, detail))
+    raise SandboxViolation(f"sandbox: {reason}: {detail}")
+
+
+# Imported before the program runs (and before dropping privileges, after which the
+# interpreter's own files may be unreadable, e.g. a Python installed in a private home):
+# the standard modules a short function plausibly needs.
+PRELOAD = (
+    "math", "re", "collections", "itertools", "functools", "string", "heapq", "bisect",
+    "typing", "operator", "statistics", "fractions", "decimal", "random", "copy",
+    "json", "datetime", "time", "enum", "dataclasses", "array", "textwrap", "unicodedata",
+    "socket", "encodings.idna",  # so that network attempts reach the namespace and hook
+)  # fmt: skip
+
+
+def _confine(job):
+    for name in PRELOAD:
+        __import__(name)
+    if job.get("netns"):
+        import ctypes  # loaded before the audit hook, which refuses ctypes afterwards
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
+            os.write(2, b"sandbox: unshare(CLONE_NEWNET) failed\n")
+            os._exit(97)
+    lim = job["limits"]
+    _limit(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)
+    _limit(resource.RLIMIT_FSIZE, lim["output_bytes"])
+    _limit(resource.RLIMIT_NOFILE, 64)
+    _limit(resource.RLIMIT_CORE, 0)
+    if lim.get("memory_bytes"):
+        _limit(resource.RLIMIT_AS, lim["memory_bytes"], optional=sys.platform == "darwin")
+    if job.get("uid") is not None:
+        os.setgroups([])
+        os.setgid(job["gid"])
+        os.setuid(job["uid"])
+    if lim.get("nproc"):
+        _limit(resource.RLIMIT_NPROC, lim["nproc"])
+
+
+def _limit(res, soft, hard=None, optional=False):
+    """Set a limit, never above the hard limit already in force (which only root may
+    raise); `optional` limits (RLIMIT_AS on macOS, which does not enforce it) may fail."""
+    cur_hard = resource.getrlimit(res)[1]
+    hard = soft if hard is None else hard
+    if cur_hard != resource.RLIM_INFINITY:
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    try:
+        resource.setrlimit(res, (soft, hard))
+    except (ValueError, OSError):
+        if not optional:
+            raise
+
+
+def _allowed_roots(tmp):
+    roots = {os.path.realpath(tmp)}
+    for key in ("stdlib", "platstdlib"):
+        roots.add(os.path.realpath(sysconfig.get_paths()[key]))
+    return tuple(roots), os.path.realpath(tmp)
+
+
+def _install_hook(read_roots, write_root):
+    devices = {"/dev/null", "/dev/urandom", "/dev/random"}
+
+    def inside(path, roots):
+        return any(path == r or path.startswith(r + os.sep) for r in roots)
+
+    def check_path(event, path, write):
+        if isinstance(path, int):
+            return  # an already-open descriptor
+        try:
+            real = os.path.realpath(os.fsdecode(path))
+        except Exception:
+            _deny("forbidden_file", repr(path))
+        if real in devices:
+            return
+        if not inside(real, (write_root,) if write else read_roots):
+            _deny("forbidden_file", f"{event} {real}")
+
+    write_events = {
+        "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
+        "os.chmod", "os.chown", "os.truncate", "os.utime", "os.chflags", "os.lchflags",
+        "os.setxattr", "os.removexattr", "shutil.rmtree",
+    }  # fmt: skip
+    process_events = {
+        "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+        "os.startfile", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
+        "signal.pthread_kill", "os.setuid", "os.setgid", "resource.setrlimit", "os.chdir",
+        "os.chroot", "os.fchdir",
+    }  # fmt: skip
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            write = (mode is not None and any(c in str(mode) for c in "wax+")) or (
+                bool(flags) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            )
+            check_path(event, path, bool(write))
+        elif event in ("os.listdir", "os.scandir", "glob.glob"):
+            check_path(event, args[0] if args and args[0] is not None else ".", False)
+        elif event in write_events:
+            for a in args[:2]:
+                if isinstance(a, (str, bytes, os.PathLike)):
+                    check_path(event, a, True)
+        elif event.startswith("socket.") and event not in ("socket.gethostname",):
+            _deny("network", event)
+        elif event in process_events:
+            _deny("process", event)
+        elif event.startswith(("ctypes.", "_ctypes", "mmap.", "winreg", "sys._debugmallocstats")):
+            _deny("forbidden_module", event)
+
+    sys.addaudithook(hook)
+
+
+def _short_repr(value, limit):
+    try:
+        text = repr(value)
+    except Exception as e:
+        text = f"<repr failed: {type(e).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _error_reason(e):
+    if isinstance(e, SandboxViolation) or VIOLATIONS:
+        return VIOLATIONS[0][0] if VIOLATIONS else "forbidden"
+    if isinstance(e, MemoryError):
+        return "memory"
+    if isinstance(e, OSError) and e.errno == errno.EAGAIN:  # fork refused by RLIMIT_NPROC
+        return "process_limit"
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:  # write refused by RLIMIT_FSIZE
+        return "output_limit"
+    if isinstance(e, SystemExit):
+        return "exited"
+    return None
+
+
+def main():
+    job = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    tmp = os.getcwd()
+    read_roots, write_root = _allowed_roots(tmp)  # sysconfig reads files: before confining
+    _confine(job)
+    my_pid = os.getpid()
+    results_fd = os.dup(1)
+    out = os.open(os.path.join(tmp, "out.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.set_inheritable(results_fd, False)
+    limit = job["limits"]["repr_chars"]
+    if job.get("audit", True):
+        _install_hook(read_roots, write_root)
+    report = {"stage": "compile", "calls": [], "violations": VIOLATIONS}
+
+    def send():
+        if os.getpid() != my_pid:  # a forked child of the program: never reports
+            os._exit(1)
+        report["violations"] = [list(v) for v in VIOLATIONS[:5]]
+        data = json.dumps(report).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(results_fd, view) :]
+        os._exit(0)
+
+    try:
+        code = compile(job["code"], "solution.py", "exec")
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+        report["reason"] = "syntax" if not isinstance(e, MemoryError) else "memory"
+        send()
+    report["stage"] = "exec"
+    namespace = {"__name__": "solution", "__builtins__": __builtins__}
+    try:
+        exec(code, namespace)
+    except BaseException as e:  # noqa: BLE001 - the program's own failure, reported
+        report["error"] = f"{type(e).__name__}: {_short_repr(e, 200)}"
+        report["reason"] = _error_reason(e) or "runtime_error"
+        send()
+    func = namespace.get(job["func"])
+    if not callable(func):
+        report["reason"] = "no_function"
+        report["error"] = f"no function named {job['func']}"
+        send()
+    report["stage"] = "tests"
+    for args in job["inputs"]:
+        try:
+            value = func(*args)
+            report["calls"].append({"ok": True, "repr": _short_repr(value, limit)})
+        except BaseException as e:  # noqa: BLE001
+            reason = _error_reason(e)
+            report["calls"].append({"ok": False, "error": f"{type(e).__name__}"})
+            if reason:  # a limit or a rule, not a wrong answer: stop here
+                report["reason"] = reason
+                report["error"] = f"{type(e).__name__}: {_short_repr(e, 200)}"
+                send()
+        if VIOLATIONS:  # a refused operation the program caught itself
+            report["reason"] = VIOLATIONS[0][0]
+            send()
+    report["stage"] = "done"
+    send()
+
+
+if __name__ == "__main__":
+    main()

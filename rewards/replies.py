@@ -1,0 +1,149 @@
+"""Rewards for a short reply to a post: six heuristic components, each in [0, 1].
+
+- `relevance`: the post's keywords the reply mentions (a shared 5-letter stem counts:
+  "plants" for "plant"), full marks at two.
+- `length`: 1 inside the target band of words, falling linearly outside it.
+- `tone`: 1, less 0.5 for a rude or dismissive word, 0.25 for shouting (two or more
+  all-caps words), 0.25 for "!!" or "??".
+- `no_repetition`: the share of the reply's word trigrams that are distinct.
+- `punctuation`: the share of five checks passed: starts with a capital (or a digit or
+  quote), ends with . ! ? or a closing quote/bracket after one, no run of three equal
+  punctuation marks, no space before , . ! ?, balanced brackets and double quotes.
+- `diversity`: 1 - the reply's BLEU against the other replies of its group
+  (mlx_grpo/textstats.py); needs the group, so the recipe scores whole groups; a group
+  of one scores 1.
+
+`success` (logged, and what compare's pass@k counts; give it no weight) marks a good
+reply: relevant, in the band, polite, punctuated, with at most one repeated trigram.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mlx_grpo.textstats import self_bleu_each
+
+RUDE = {
+    "stupid", "idiot", "dumb", "shut", "hate", "loser", "pathetic", "whatever",
+    "ridiculous", "lame", "moron", "ugly", "useless", "awful", "boring", "crap",
+}  # fmt: skip
+_WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text)
+
+
+def relevance(text: str, keywords: list[str], full_at: int = 2) -> float:
+    """Keywords mentioned (a shared 5-letter stem counts), `full_at` for full marks.
+
+    >>> relevance("Kittens love a quiet shelter corner.", ["kitten", "shelter", "tips"])
+    1.0
+    >>> relevance("Nice!", ["kitten"])
+    0.0
+    """
+    ws = {w.lower() for w in words(text)}
+    hits = 0
+    for k in keywords:
+        k = k.lower()
+        stem = k[:5]
+        if any(w == k or (len(stem) >= 4 and w.startswith(stem)) for w in ws):
+            hits += 1
+    return min(1.0, hits / min(full_at, len(keywords))) if keywords else 0.0
+
+
+def length_band(text: str, lo: int = 8, hi: int = 50) -> float:
+    """1 for lo..hi words, else falling linearly (0 at 0 words and at 2 * hi).
+
+    >>> length_band("one two three four", 8, 50), length_band("w " * 60, 8, 50)
+    (0.5, 0.8)
+    """
+    n = len(words(text))
+    if n < lo:
+        return n / lo
+    if n > hi:
+        return max(0.0, 1.0 - (n - hi) / hi)
+    return 1.0
+
+
+def tone(text: str) -> float:
+    """Politeness heuristic: rude words, shouting, "!!".
+
+    >>> tone("That sounds lovely, enjoy it."), tone("That is STUPID and USELESS!!")
+    (1.0, 0.0)
+    """
+    if not text.strip():
+        return 0.0
+    ws = words(text)
+    score = 1.0
+    if any(w.lower() in RUDE for w in ws):
+        score -= 0.5
+    if sum(w.isupper() and len(w) >= 3 for w in ws) >= 2:
+        score -= 0.25
+    if "!!" in text or "??" in text:
+        score -= 0.25
+    return max(0.0, score)
+
+
+def no_repetition(text: str) -> float:
+    """Distinct word trigrams / trigrams (1 for fewer than three words).
+
+    >>> round(no_repetition("I love it. I love it. I love it."), 2), no_repetition("Have a great trip")
+    (0.43, 1.0)
+    """
+    ws = [w.lower() for w in words(text)]
+    grams = [tuple(ws[i : i + 3]) for i in range(len(ws) - 2)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def punctuation(text: str) -> float:
+    """The share of five punctuation checks passed (see the module docstring).
+
+    >>> punctuation("Great news, congratulations!"), punctuation("great news ,congrats!!!")
+    (1.0, 0.4)
+    """
+    t = text.strip()
+    if not t:
+        return 0.0
+    checks = [
+        t[0].isupper() or t[0].isdigit() or t[0] in "\"'(",
+        bool(re.search(r"[.!?][\"')\]]*$", t)),
+        not re.search(r"([!?.,;:])\1\1", t),
+        not re.search(r"\s[,.!?;:]", t),
+        t.count("(") == t.count(")") and t.count("[") == t.count("]") and t.count('"') % 2 == 0,
+    ]
+    return sum(checks) / len(checks)
+
+
+def components(text: str, keywords: list[str], lo: int, hi: int) -> dict[str, float]:
+    out = {
+        "relevance": relevance(text, keywords),
+        "length": length_band(text, lo, hi),
+        "tone": tone(text),
+        "no_repetition": no_repetition(text),
+        "punctuation": punctuation(text),
+    }
+    good = all(out[k] == 1.0 for k in ("relevance", "length", "tone", "punctuation"))
+    ws = words(text)
+    out["success"] = float(good and len(ws) - 2 - round(out["no_repetition"] * (len(ws) - 2)) <= 1)
+    return out
+
+
+def reward_batch(tasks: list, groups: list[list[str]]) -> list[list[dict]]:
+    """Every reply's components; `diversity` compares the replies within each group."""
+    out = []
+    for task, group in zip(tasks, groups):
+        p = task.payload
+        div = [1.0 - b for b in self_bleu_each(group)] or [1.0] * len(group)
+        out.append(
+            [
+                {**components(text, p["keywords"], p["min_words"], p["max_words"]), "diversity": d}
+                for text, d in zip(group, div)
+            ]
+        )
+    return out
+
+
+def reward(task, completion: str) -> dict:
+    """Components of one reply alone (diversity 1: there is no group to compare with)."""
+    return reward_batch([task], [[completion]])[0][0]

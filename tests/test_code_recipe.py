@@ -1,0 +1,143 @@
+"""The code recipe: tasks, splits, extraction, hand-written solutions, and a training
+run that keeps going while the sandbox stops hostile programs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import rewards.code as code_reward
+from mlx_grpo.cli import cmd_train
+from mlx_grpo.config import build_config
+from mlx_grpo.recipe import Recipe, recipe_defaults
+from mlx_grpo.sandbox import Limits, Sandbox
+from recipes.code import families
+
+HOSTILE = Path(__file__).parent / "data" / "hostile_code"
+
+
+@pytest.fixture
+def recipe():
+    return Recipe.from_config(build_config(recipe_defaults("code")).recipe)
+
+
+@pytest.fixture
+def fast_sandbox(monkeypatch):
+    sb = Sandbox(Limits(wall_s=4.0, cpu_s=1, memory_bytes=256 * 2**20), workers=2)
+    monkeypatch.setattr(code_reward, "_SANDBOX", sb)
+
+
+def test_tasks_are_deterministic_and_splits_disjoint(recipe):
+    a = recipe.tasks("train", 300, 0)
+    assert [t.id for t in a] == [t.id for t in recipe.tasks("train", 300, 0)]
+    ev = recipe.tasks("eval", 100, 0)
+    other_seed = recipe.tasks("eval", 100, 1)
+    keys = lambda ts: {t.id.split("-", 2)[2] for t in ts}  # noqa: E731
+    assert not keys(a) & keys(ev) and not keys(a) & keys(other_seed)
+    assert {t.level for t in ev} == {1, 2, 3, 4, 5}
+    assert len({t.id for t in a}) == len(a)
+    # Hidden tests are not shown in the prompt.
+    t = a[3]
+    prompt = t.messages[-1]["content"]
+    assert f"def {t.payload['func']}(" in prompt
+    assert all(
+        repr(c["args"][0]) not in prompt for c in t.payload["tests"] if len(repr(c["args"][0])) > 4
+    )
+
+
+# Hand-written solutions, independent of the families' reference code.
+SOLUTIONS = {
+    "balanced_multi": """
+def balanced(s):
+    pairs = {')': '(', ']': '[', '}': '{', '>': '<'}
+    stack = []
+    for ch in s:
+        if ch in '([{<':
+            stack.append(ch)
+        elif ch in pairs:
+            if not stack or stack.pop() != pairs[ch]:
+                return False
+    return not stack
+""",
+    "caesar": """
+def {func}(s):
+    k = {k}
+    return ''.join(chr((ord(c) - 97 + k) % 26 + 97) if c.islower() else c for c in s)
+""",
+    "fizzbuzz_one": """
+def {func}(n):
+    a, b, w1, w2 = {a}, {b}, {w1!r}, {w2!r}
+    if n % a == 0 and n % b == 0:
+        return w1 + w2
+    if n % a == 0:
+        return w1
+    if n % b == 0:
+        return w2
+    return str(n)
+""",
+}
+
+
+def _solution(task) -> str:
+    fam = task.payload["family"]
+    key = task.id.split("-", 2)[2]
+    params = key[key.index("(") + 1 : -1].split(",")
+    if fam == "caesar":
+        return SOLUTIONS[fam].format(func=task.payload["func"], k=int(params[0]))
+    if fam == "fizzbuzz_one":
+        a, b, w1, w2 = params
+        return SOLUTIONS[fam].format(func=task.payload["func"], a=a, b=b, w1=w1, w2=w2)
+    return SOLUTIONS[fam]
+
+
+def test_hand_written_solutions_pass_and_wrong_ones_do_not(recipe, fast_sandbox):
+    tasks = [t for t in recipe.tasks("train", 400, 0) if t.payload["family"] in SOLUTIONS][:9]
+    assert {t.payload["family"] for t in tasks} == set(SOLUTIONS)
+    good = [[f"```python{_solution(t)}```"] for t in tasks]
+    mutate = {"balanced_multi": ("return not stack", "return True"), "caesar": ("+ k", "- k"),
+              "fizzbuzz_one": ("return str(n)", "return n")}  # fmt: skip
+    bad = [[f"```python{_solution(t).replace(*mutate[t.payload['family']])}```"] for t in tasks]
+    for [s] in recipe.score_groups(tasks, good):
+        assert s.components["passes"] == 1.0 and s.failure is None, s
+        assert s.reward == pytest.approx(1.7)
+    for [s] in recipe.score_groups(tasks, bad):
+        assert s.components["passes"] == 0.0 and s.failure in ("wrong_answer", "runtime_error")
+
+
+def test_every_family_reference_handles_its_inputs():
+    import random
+
+    for fams in families.LEVELS.values():
+        for fam in fams:
+            for i in range(20):
+                spec = fam(random.Random(i))
+                rng = random.Random(i)
+                for _ in range(5):
+                    json.dumps(spec.reference(*spec.inputs(rng)))  # JSON-able expected values
+
+
+def test_extraction_and_format():
+    text = "Sure:\n```python\ndef g():\n    pass\n```\nand\n```python\ndef f(x):\n    return x\n```"
+    assert code_reward.extract_code(text, "f") == "def f(x):\n    return x\n"
+    assert code_reward.extract_code("```python\ndef f(x):\n    return x", "f").startswith("def f")
+    assert code_reward.code_format(text) == 0.5
+    assert code_reward.extract_code("no code here") == ""
+
+
+def test_training_continues_through_hostile_programs(tiny_model_dir, tmp_path, fast_sandbox):
+    args = ["--recipe", str(HOSTILE), f"--model.path={tiny_model_dir}", f"--output.dir={tmp_path}",
+            "--output.run=h"]  # fmt: skip
+    assert cmd_train(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "h" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # 8 completions a step, programs in turn: one of each per step.
+    for r in rows:
+        for reason in ("cpu_time", "process", "memory", "exited", "forbidden_file", "network",
+                       "output_limit"):  # fmt: skip
+            assert r[f"fail/{reason}"] == 1, (reason, r)
+        assert r["reward/passes"] == pytest.approx(1 / 8)
+        assert r["reward/errors"] == 0
+    samples = [json.loads(x) for x in (tmp_path / "h" / "samples.jsonl").read_text().splitlines()]
+    assert {s.get("failure") for s in samples} >= {"cpu_time", "process", None}

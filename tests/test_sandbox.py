@@ -1,0 +1,202 @@
+"""The sandbox against hostile programs: each is stopped, scores 0 through the code
+reward, and names its failure; the OS layers are also checked without the audit hook."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+import rewards.code as code_reward
+from mlx_grpo.recipe import Task
+from mlx_grpo.sandbox import (
+    SLOT_UID_BASE,
+    Job,
+    Limits,
+    Sandbox,
+    isolation_summary,
+    network_namespace_available,
+    uid_processes,
+)
+
+FAST = Limits(wall_s=4.0, cpu_s=1, memory_bytes=256 * 2**20, output_bytes=64 * 2**10)
+ROOT_LINUX = sys.platform.startswith("linux") and os.geteuid() == 0
+
+
+def _task(func="f", tests=(([3], 6), ([4], 8))) -> Task:
+    return Task(
+        id="t",
+        level=1,
+        messages=[],
+        payload={"func": func, "tests": [{"args": a, "expected": e} for a, e in tests]},
+    )
+
+
+def _fenced(body: str) -> str:
+    return f"```python\n{body}\n```"
+
+
+@pytest.fixture
+def fast_sandbox(monkeypatch):
+    sb = Sandbox(FAST, workers=2)
+    monkeypatch.setattr(code_reward, "_SANDBOX", sb)
+    return sb
+
+
+@pytest.fixture
+def home_secret():
+    path = Path.home() / f".mlx-grpo-sandbox-test-{uuid.uuid4().hex}"
+    path.write_text("secret")
+    yield path
+    path.unlink()
+
+
+def _listener():
+    """A TCP server on 127.0.0.1 that records whether anything connected."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    hits: list[int] = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+                hits.append(1)
+                conn.close()
+            except OSError:
+                continue
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, hits, stop
+
+
+def test_hostile_programs_score_zero_with_named_reasons(fast_sandbox, home_secret, tmp_path):
+    outside = Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}"
+    srv, hits, stop = _listener()
+    port = srv.getsockname()[1]
+    hostile = {
+        "cpu_time": "def f(x):\n    while True:\n        pass",
+        "timeout": "import time\ndef f(x):\n    time.sleep(60)",
+        "process": "import os\ndef f(x):\n    while True:\n        os.fork()",
+        "memory": "def f(x):\n    return len(bytearray(10 * 10**9))",
+        "forbidden_file": f"def f(x):\n    open({str(outside)!r}, 'w').write('x')\n    return 2 * x",
+        "network": f"import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}))\n"
+        "    return 2 * x",
+        "exited": "import os\ndef f(x):\n    os._exit(0)",
+        "output_limit": "def f(x):\n    print('x' * 10**8)\n    return 2 * x",
+    }
+    home_reader = f"def f(x):\n    open({str(home_secret)!r}).read()\n    return 2 * x"
+    # A program that catches the refusal and answers right is still failed.
+    sneaky = f"def f(x):\n    try:\n        open({str(home_secret)!r}).read()\n    except Exception:\n        pass\n    return 2 * x"
+    texts = [_fenced(b) for b in [*hostile.values(), home_reader, sneaky]]
+    try:
+        out = code_reward.reward_batch([_task()], [texts])[0]
+    finally:
+        stop.set()
+        srv.close()
+    expected = [*hostile, "forbidden_file", "forbidden_file"]
+    for want, comps in zip(expected, out):
+        assert comps["failure"] == want, (want, comps)
+        assert all(comps[k] == 0.0 for k in ("passes", "partial", "compiles", "format")), comps
+    assert not outside.exists()
+    assert hits == []
+    # A good program in the same batch still passes.
+    good = code_reward.reward_batch([_task()], [[_fenced("def f(x):\n    return 2 * x")]])
+    assert good[0][0]["passes"] == 1.0 and "failure" not in good[0][0]
+
+
+def test_os_limits_hold_without_the_audit_hook(tmp_path):
+    """Fork bomb, memory, CPU and output are bounded by the kernel, not the hook."""
+    sb = Sandbox(FAST, workers=2, audit=False)
+    jobs = [
+        Job("import os\ndef f():\n    while True:\n        os.fork()", "f", [[]]),
+        Job("def f():\n    return len(bytearray(10 * 10**9))", "f", [[]]),
+        Job("def f():\n    while True:\n        pass", "f", [[]]),
+        Job(
+            "import os\ndef f():\n    for _ in range(100):\n        os.write(1, b'x' * 10**5)",
+            "f",
+            [[]],
+        ),
+    ]
+    reasons = [o.reason for o in sb.run(jobs)]
+    want_fork = "process_limit" if ROOT_LINUX else ("process_limit", "crashed", "cpu_time")
+    assert reasons[0] in want_fork if isinstance(want_fork, tuple) else reasons[0] == want_fork
+    memory = "memory" if sys.platform != "darwin" else reasons[1]  # macOS ignores RLIMIT_AS
+    assert reasons[1:] == [memory, "cpu_time", "output_limit"]
+    if ROOT_LINUX:  # nothing of the slot uids is left running (zombies wait for init)
+        assert [uid_processes(SLOT_UID_BASE + i) for i in range(sb.workers)] == [[], []]
+
+
+@pytest.mark.skipif(
+    not (ROOT_LINUX and network_namespace_available()),
+    reason="the network namespace and the uid drop need root on Linux (and CAP_SYS_ADMIN)",
+)
+def test_network_namespace_and_uid_hold_without_the_audit_hook(home_secret):
+    srv, hits, stop = _listener()
+    port = srv.getsockname()[1]
+    sb = Sandbox(FAST, workers=2, audit=False)
+    try:
+        out = sb.run(
+            [
+                Job(
+                    "import socket\ndef f():\n"
+                    f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    return 1",
+                    "f",
+                    [[]],
+                ),
+                Job(f"def f():\n    return open({str(home_secret)!r}).read()", "f", [[]]),
+                Job("import os\ndef f():\n    return os.getuid()", "f", [[]]),
+            ]
+        )
+    finally:
+        stop.set()
+        srv.close()
+    assert out[0].values == [None] and hits == []  # no route to the host's loopback
+    if oct(Path.home().stat().st_mode)[-3:] == "700":
+        assert out[1].values == [None]  # the home folder is not readable by the slot uid
+    assert int(out[2].values[0]) >= SLOT_UID_BASE
+    assert isolation_summary()["network_namespace"] and isolation_summary()["separate_uid"]
+
+
+def test_ordinary_failures_keep_earned_components(fast_sandbox):
+    texts = [
+        "def f(x):\n    return x + x\nThat doubles x.",  # bare code: passes, format 0
+        _fenced("def f(x):\n    return x"),  # wrong answer
+        _fenced("def f(x):\n    return 12 // (x - 3)"),  # raises on one test
+        _fenced("def f(x) return 1"),  # syntax error
+        "I cannot write code.",
+        _fenced("def g(x):\n    return 2 * x"),  # wrong name
+    ]
+    out = code_reward.reward_batch([_task()], [texts])[0]
+    assert out[0] == {"passes": 1.0, "partial": 1.0, "compiles": 1.0, "format": 0.0}
+    assert out[1]["failure"] == "wrong_answer" and out[1]["compiles"] == 1.0
+    assert out[1]["partial"] == 0.0 and out[1]["format"] == 1.0
+    assert out[2]["failure"] == "runtime_error" and out[2]["partial"] == 0.0
+    assert out[3]["failure"] == "syntax" and out[3]["compiles"] == 0.0
+    assert out[4]["failure"] == "no_code"
+    assert out[5]["failure"] == "no_function" and out[5]["compiles"] == 0.0
+
+
+def test_a_constant_answer_earns_no_partial_credit(fast_sandbox):
+    task = _task("even", [([n], n % 2 == 0) for n in (1, 2, 3, 4, 6, 7)])
+    const, half = code_reward.reward_batch(
+        [task],
+        [
+            [
+                _fenced("def even(n):\n    return True"),
+                _fenced("def even(n):\n    return n < 5 and n % 2 == 0"),
+            ]
+        ],
+    )[0]
+    assert const["partial"] == 0.0 and const["compiles"] == 1.0  # passes 3 of 6: chance
+    # 5 of 6 against a constant's 3 of 6: (5/6 - 1/2) / (1/2) = 2/3.
+    assert half["partial"] == pytest.approx(2 / 3) and half["passes"] == 0.0
