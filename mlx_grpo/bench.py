@@ -258,7 +258,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         )
     out.append(
         (
-            f"Work unit: SmolLM2-135M fp32, B=2 x G=8, 64 new tokens, LoRA r8 all linears "
+            "Work unit: SmolLM2-135M fp32, B=2 x G=8, 64 new tokens, LoRA r8 all linears "
             + (
                 f"(median of the {report['steps'] - 1} steps after the first)"
                 if report["steps"] > 1

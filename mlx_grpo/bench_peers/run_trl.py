@@ -114,16 +114,11 @@ def main(argv=None) -> None:
                 gen_s[0] += time.perf_counter() - tic
 
         trainer._generate = timed_generate
-        logs: dict = {}
 
         class Clock(TrainerCallback):
             def on_step_begin(self, *a, **k):
                 self.tic = time.perf_counter()
                 gen_s[0] = 0.0
-
-            def on_log(self, _args, state, control, logs=None, **k):
-                if logs and "completions/mean_length" in logs:
-                    self.last_logs = dict(logs)
 
             def on_step_end(self, *a, **k):
                 self.step_s = time.perf_counter() - self.tic
@@ -156,6 +151,8 @@ def main(argv=None) -> None:
             versions,
             device="cuda" if torch.cuda.is_available() else "cpu",
             threads=torch.get_num_threads(),
+            activation_checkpointing=bool(config.gradient_checkpointing),
+            bf16=bool(config.bf16),
         )
     )
 
