@@ -86,13 +86,20 @@ def _output_head(model: nn.Module):
 
 
 def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(log p(target), entropy) per position from [..., V] logits, in float32."""
-    logits = logits.astype(mx.float32)
-    lse = mx.logsumexp(logits, axis=-1)
-    picked = mx.take_along_axis(logits, mx.stop_gradient(targets)[..., None], axis=-1).squeeze(-1)
-    probs = mx.exp(logits - lse[..., None])
-    entropy = lse - (probs * logits).sum(axis=-1)
-    return picked - lse, mx.stop_gradient(entropy)
+    """(log p(target), entropy) per position from [..., V] logits, in float32.
+
+    One `exp` over the vocabulary serves the normaliser, the entropy and (through the
+    saved output of `exp`) the backward pass: on CPUs a vocabulary-wide exp costs more
+    than the GEMM that made the logits, and logsumexp + softmax would take three.
+    """
+    shifted = logits.astype(mx.float32)
+    shifted = shifted - mx.stop_gradient(shifted.max(axis=-1, keepdims=True))
+    e = mx.exp(shifted)
+    total = e.sum(axis=-1)
+    log_total = mx.log(total)
+    picked = mx.take_along_axis(shifted, mx.stop_gradient(targets)[..., None], axis=-1)
+    entropy = log_total - (e * shifted).sum(axis=-1) / total
+    return picked.squeeze(-1) - log_total, mx.stop_gradient(entropy)
 
 
 class _PrefixCache:
