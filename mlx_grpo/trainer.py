@@ -20,6 +20,7 @@ from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.grpo import (
     LossInputs,
     completion_logprobs,
+    effective_lengths,
     group_advantages,
     grpo_loss,
     zero_variance_groups,
@@ -168,9 +169,13 @@ def train(
         advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
         zero_var = np.array(zero_variance_groups(r_mx, g))
         curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-        # Groups whose rewards are all equal carry no gradient: leave them out of the
-        # loss (and out of the forward/backward). `filter` trains on at most B groups.
-        train_groups = [i for i in range(n_tasks) if not zero_var[i]][:b]
+        # Groups whose rewards are all equal carry no policy gradient: leave them out of
+        # the loss and the forward/backward (unless grpo.skip_zero_variance_groups is
+        # off). `filter` trains on at most B groups.
+        train_groups = [i for i in range(n_tasks) if not zero_var[i]]
+        if not cfg.grpo.skip_zero_variance_groups:
+            train_groups += [i for i in range(n_tasks) if zero_var[i]]
+        train_groups = sorted(train_groups[:b])
 
         tic = time.perf_counter()
         it_metrics: list[dict] = []
@@ -231,7 +236,7 @@ def _update(
     model, optimizer, loss_and_grad, batch: LossInputs, cfg: RunConfig, counters, step, say
 ):
     """`grpo.num_iterations` clipped AdamW updates on one batch; (metrics, |delta|)."""
-    need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
+    need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk, effective_lengths(batch.mask)]
     if cfg.grpo.beta > 0:
         with adapters_disabled(model):
             batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])

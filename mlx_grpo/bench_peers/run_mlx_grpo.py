@@ -69,6 +69,9 @@ def config(steps: int, group: int, max_new_tokens: int, model: str, out_dir: str
                 "num_iterations": wu.NUM_ITERATIONS,
                 "loss_type": wu.LOSS_TYPE,
                 "scale_rewards": "group",
+                # The peers update on every group, even those whose rewards are all
+                # equal; mlx-grpo by default skips them. Same work for all here.
+                "skip_zero_variance_groups": False,
             },
             "optimizer": {
                 "learning_rate": wu.LEARNING_RATE,
