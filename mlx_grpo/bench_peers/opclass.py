@@ -260,9 +260,7 @@ def _add(acc: dict, part: dict, times: float = 1.0) -> None:
 
 def op_split(s: Shapes, prompt_lens, comp_lens, group, sampler, reps: int = 3) -> dict:
     """Estimated seconds per op class for each phase of the step."""
-    n = len(comp_lens)
     steps = max(comp_lens)
-    c_pad = steps
     out = {}
     # prefill: each prompt once (all but its last token), logits for every position
     acc: dict = {}
@@ -278,20 +276,26 @@ def op_split(s: Shapes, prompt_lens, comp_lens, group, sampler, reps: int = 3) -
     _add(acc, _block_ops(s, live, 1, ctx, False, reps), s.layers * steps)
     _add(acc, _head_ops(s, live, False, reps, sampler=sampler), steps)
     out["decode"] = acc
-    # update: per group, the prompt once and G padded completions on its shared cache
+    # update: per group, the prompt once, then its completions in length buckets (as
+    # mlx_grpo.grpo runs them), each padded to its longest row, on the shared cache
+    from mlx_grpo.grpo import length_buckets
+
     for phase, grad in (("ref_forward", False), ("policy_fwd_bwd", True)):
         acc = {}
-        for p in prompt_lens:
+        for b, p in enumerate(prompt_lens):
+            lens = comp_lens[b * group : (b + 1) * group]
             _add(acc, _block_ops(s, 1, p, p, grad, reps), s.layers)
-            _add(acc, _block_ops(s, group, c_pad, p + c_pad, grad, reps), s.layers)
-        _add(acc, _head_ops(s, n * c_pad, grad, reps))
+            for bucket in length_buckets(lens):
+                cb = max(lens[i] for i in bucket)
+                _add(acc, _block_ops(s, len(bucket), cb, p + cb, grad, reps), s.layers)
+                _add(acc, _head_ops(s, len(bucket) * cb, grad, reps))
         out[phase] = acc
     return out
 
 
 def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> dict:
     """Each phase of one step alone on `rollout` (seconds), and its op-class estimate."""
-    from mlx_grpo.grpo import completion_logprobs, group_advantages, grpo_loss
+    from mlx_grpo.grpo import completion_logprobs, effective_lengths, group_advantages, grpo_loss
     from mlx_grpo.models import adapters_disabled
     from mlx_grpo.rollout import _prefill, make_rollout_sampler
     from mlx_grpo.trainer import build_loss_inputs
@@ -303,7 +307,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     batch = build_loss_inputs(
         rollout, group_advantages(rewards, g), cfg.rollout.max_new_tokens, False
     )
-    need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
+    need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk, effective_lengths(batch.mask)]
     model.eval()
 
     def prefill():
