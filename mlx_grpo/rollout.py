@@ -87,7 +87,8 @@ def make_rollout_sampler(cfg: RolloutConfig):
 
 
 def top_k_candidates(logprobs: mx.array, top_k: int, top_p: float) -> tuple[mx.array, mx.array]:
-    """(token ids [N, k], their log-probs with the ones top-p drops at -inf), best first.
+    """(token ids [N, k], their log-probs with the ones top-p drops at -inf), best first,
+    from normalised log-probs [N, V] (what mlx_lm passes to a sampler).
 
     The same tokens as mlx_lm's `apply_top_p` then `apply_top_k` keep: top-p keeps the
     most probable tokens while the mass of those before them is < top_p (of the whole
@@ -102,11 +103,10 @@ def top_k_candidates(logprobs: mx.array, top_k: int, top_p: float) -> tuple[mx.a
     order = mx.argsort(-vals, axis=-1)
     ids = mx.take_along_axis(ids, order, axis=-1)
     vals = mx.take_along_axis(vals, order, axis=-1)
-    if top_p < 1.0:
-        total = mx.exp(mx.logsumexp(logprobs.astype(mx.float32), axis=-1, keepdims=True))
+    if top_p < 1.0:  # log-probs are normalised (the sampler contract): total mass 1
         probs = mx.exp(vals)
         before = mx.cumsum(probs, axis=-1) - probs  # mass of the better tokens
-        vals = mx.where(before < top_p * total, vals, -mx.inf)
+        vals = mx.where(before < top_p, vals, -mx.inf)
     return ids, vals
 
 
