@@ -411,8 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine(),
-        "command": "python -m mlx_grpo.bench "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(
+            ["python -m mlx_grpo.bench", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "steps": args.steps,
         "systems": {},
     }
