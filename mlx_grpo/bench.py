@@ -172,6 +172,7 @@ def summarize(res: dict) -> dict:
         "time_to_first_step_s": res["time_to_first_step_s"],
         "peak_rss_gb": res["peak_rss_mb"] / 1024,
         "steps_measured": len(steps),
+        "trainable_params": res.get("trainable_params"),
     }
 
 
@@ -239,7 +240,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = []
     for name, r in sysrows.items():
         if "error" in r:
-            rows.append([name, f"failed: {r['error']}"] + [""] * 7)
+            rows.append([name, f"failed: {r['error']}"] + [""] * 8)
             continue
         s = r["summary"]
         ratio = "1.00" if name == "mlx-grpo" or not ours else f"{ours['step_s'] / s['step_s']:.2f}"
@@ -252,6 +253,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 _f(s["update_s"]),
                 _f(s["time_to_first_step_s"]),
                 _f(s["peak_rss_gb"], 2),
+                "-" if s.get("trainable_params") is None else f"{s['trainable_params']:,}",
                 f"{s['reward_mean']:.2f}",
                 ratio,
             ]
@@ -272,6 +274,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 "update s",
                 "first step s",
                 "peak RSS GB",
+                "LoRA params",
                 "reward",
                 "mlx-grpo / system",
             ],

@@ -102,7 +102,7 @@ def main(argv=None) -> None:
 
     import mlx_grpo
     from mlx_grpo._blas import blas_in_use
-    from mlx_grpo.models import apply_lora, load_model
+    from mlx_grpo.models import apply_lora, load_model, trainable_count
     from mlx_grpo.recipe import Recipe
     from mlx_grpo.trainer import build_optimizer, train
 
@@ -158,6 +158,7 @@ def main(argv=None) -> None:
             say=lambda s: None,
         )
         extra = {
+            "trainable_params": trainable_count(model),
             "blas": blas_in_use(),
             "device": str(mx.default_device()),
             "group": args.group,

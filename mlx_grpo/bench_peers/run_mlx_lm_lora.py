@@ -34,6 +34,7 @@ def main(argv=None) -> None:
 
     import mlx.core as mx
     import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.utils import load
     from mlx_lm_lora.trainer import grpo_trainer
@@ -134,7 +135,13 @@ def main(argv=None) -> None:
         )
     version = f"mlx-lm-lora {importlib.metadata.version('mlx-lm-lora')}, mlx {mx.__version__}"
     wu.emit(
-        clock.result("mlx-lm-lora", version, blas=blas_in_use(), device=str(mx.default_device()))
+        clock.result(
+            "mlx-lm-lora",
+            version,
+            blas=blas_in_use(),
+            device=str(mx.default_device()),
+            trainable_params=sum(v.size for _, v in tree_flatten(model.trainable_parameters())),
+        )
     )
 
 

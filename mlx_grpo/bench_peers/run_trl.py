@@ -151,6 +151,7 @@ def main(argv=None) -> None:
             versions,
             device="cuda" if torch.cuda.is_available() else "cpu",
             threads=torch.get_num_threads(),
+            trainable_params=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             activation_checkpointing=bool(config.gradient_checkpointing),
             bf16=bool(config.bf16),
         )
