@@ -30,7 +30,7 @@ PARITY_TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==
 PARITY_REQS  := $(PARITY_TORCH) transformers>=4.56,<6 peft>=0.17,<1 safetensors numpy
 PARITY_STAMP := $(PARITY_VENV)/.installed-$(shell echo '$(PARITY_REQS)' | cksum | cut -d' ' -f1)
 
-.PHONY: install system-deps train test lint clean-venv parity-env bench-curriculum
+.PHONY: install system-deps train test lint clean-venv parity-env bench bench-curriculum
 
 install: $(STAMP)
 
@@ -66,12 +66,18 @@ $(PARITY_STAMP):
 	@rm -f $(PARITY_VENV)/.installed-*
 	@touch $@
 
+# mlx-grpo against TRL and mlx-lm-lora on one work unit (~15 min; never part of `test`).
+# The peers' venvs (.venv-bench-*) are made by the bench on first use. BENCH_ARGS=--smoke
+# runs one step of mlx-grpo only.
+bench: $(STAMP)
+	$(PY) -m mlx_grpo.bench $(BENCH_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mlx_grpo rewards recipes tests
 	$(VENV)/bin/ruff format --check mlx_grpo rewards recipes tests
 
 clean-venv:
-	rm -rf $(VENV) $(PARITY_VENV)
+	rm -rf $(VENV) $(PARITY_VENV) .venv-bench-*
 
 # OpenBLAS from cmeel-openblas needs libgfortran.so.5 on Linux. Install it where we can
 # (root + apt); otherwise mlx-grpo warns once per run and uses MLX's built-in BLAS.

@@ -122,6 +122,12 @@ class GRPOConfig(_Section):
         description="Leave completions that hit max_new_tokens out of the loss (DAPO): "
         "their reward judges an unfinished answer.",
     )
+    skip_zero_variance_groups: bool = Field(
+        True,
+        description="Leave groups whose rewards are all equal out of the update: their "
+        "advantages are 0, so they add only the KL term. False trains on every group, as "
+        "TRL and mlx-lm-lora do (the benchmark compares like for like this way).",
+    )
     logits_chunk: int = Field(
         1 << 24,
         ge=1 << 16,

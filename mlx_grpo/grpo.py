@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
 
 ADV_EPS = 1e-4
@@ -89,13 +90,20 @@ def _output_head(model: nn.Module):
 
 
 def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(log p(target), entropy) per position from [..., V] logits, in float32."""
-    logits = logits.astype(mx.float32)
-    lse = mx.logsumexp(logits, axis=-1)
-    picked = mx.take_along_axis(logits, mx.stop_gradient(targets)[..., None], axis=-1).squeeze(-1)
-    probs = mx.exp(logits - lse[..., None])
-    entropy = lse - (probs * logits).sum(axis=-1)
-    return picked - lse, mx.stop_gradient(entropy)
+    """(log p(target), entropy) per position from [..., V] logits, in float32.
+
+    One `exp` over the vocabulary serves the normaliser, the entropy and (through the
+    saved output of `exp`) the backward pass: on CPUs a vocabulary-wide exp costs more
+    than the GEMM that made the logits, and logsumexp + softmax would take three.
+    """
+    shifted = logits.astype(mx.float32)
+    shifted = shifted - mx.stop_gradient(shifted.max(axis=-1, keepdims=True))
+    e = mx.exp(shifted)
+    total = e.sum(axis=-1)
+    log_total = mx.log(total)
+    picked = mx.take_along_axis(shifted, mx.stop_gradient(targets)[..., None], axis=-1)
+    entropy = log_total - (e * shifted).sum(axis=-1) / total
+    return picked.squeeze(-1) - log_total, mx.stop_gradient(entropy)
 
 
 class _PrefixCache:
@@ -119,9 +127,13 @@ class _PrefixCache:
         self.offset = keys.shape[2]
         return keys, values
 
-    def share(self, group: int) -> None:
-        self.keys = mx.broadcast_to(self.keys, (group, *self.keys.shape[1:]))
-        self.values = mx.broadcast_to(self.values, (group, *self.values.shape[1:]))
+    def shared(self, rows: int) -> _PrefixCache:
+        """A cache for `rows` completions on top of this (prompt) cache, which stays as is."""
+        out = _PrefixCache()
+        out.keys = mx.broadcast_to(self.keys, (rows, *self.keys.shape[1:]))
+        out.values = mx.broadcast_to(self.values, (rows, *self.values.shape[1:]))
+        out.offset = self.offset
+        return out
 
     def make_mask(self, n, return_array=False, window_size=None):
         return create_attention_mask(n, self.offset, return_array, window_size)
@@ -138,23 +150,104 @@ def _splittable(model: nn.Module) -> bool:
     )
 
 
-def _group_hidden(model: nn.Module, prompt: mx.array, completions: mx.array) -> mx.array:
-    """Hidden states at the C positions that predict a group's completion tokens.
+# A separate pass for a bucket of completions costs about as much as this many more
+# padded positions (dispatch and Python work per layer); it sets how finely rows are
+# bucketed by length.
+BUCKET_OVERHEAD_POSITIONS = 24
 
-    The prompt runs once ([1, P]); its cache is shared by the G completions ([G, C]).
-    Completion token j is predicted from position P - 1 + j: the prompt's last
-    position for j = 0, then the completion's own positions.
+
+def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list[int]]:
+    """Rows grouped so that padding each group to its own longest row costs least.
+
+    Rows of length 0 are left out (nothing of them enters the loss). Sorted by length,
+    the best split into contiguous runs is found exactly (cost: rows x longest +
+    `overhead` per run).
+
+    >>> length_buckets([64, 3, 60, 2, 0])
+    [[0, 2], [1, 3]]
+    >>> length_buckets([64, 60, 62])
+    [[0, 2, 1]]
+    """
+    overhead = BUCKET_OVERHEAD_POSITIONS if overhead is None else overhead
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    n = len(order)
+    best, cut = [0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * lengths[order[i]] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], n
+    while j > 0:
+        out.append(order[cut[j] : j])
+        j = cut[j]
+    return out[::-1]
+
+
+def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, vocab):
+    """(log-probs, entropies) [G, C] of one group's completions.
+
+    The prompt runs once ([1, P]); its keys and values are shared (broadcast) by the
+    completions, which run in length buckets, each padded only to its own longest
+    row. Completion token j is predicted from position P - 1 + j: the prompt's last
+    position for j = 0, then the completion's own positions. Positions at or past a
+    row's length are returned as 0.
     """
     g, c = completions.shape
     cache = [_PrefixCache() for _ in model.layers]
-    h_prompt = model.model(prompt[None], cache=cache)[:, -1:]
-    first = mx.broadcast_to(h_prompt, (g, 1, h_prompt.shape[-1]))
-    if c == 1:
-        return first
-    for layer_cache in cache:
-        layer_cache.share(g)
-    h = model.model(completions[:, :-1], cache=cache)
-    return mx.concatenate([first, h], axis=1)
+    h_last = model.model(prompt[None], cache=cache)[:, -1:]
+    parts, rows = [], []
+    for bucket in length_buckets(lengths):
+        n, cb = len(bucket), max(lengths[i] for i in bucket)
+        if n == g:
+            bucket = list(range(g))  # the whole group, in order: no gather
+        tokens = completions[mx.array(bucket)] if n < g else completions
+        first = mx.broadcast_to(h_last, (n, 1, h_last.shape[-1]))
+        if cb > 1:
+            h = model.model(tokens[:, : cb - 1], cache=[pc.shared(n) for pc in cache])
+            first = mx.concatenate([first, h], axis=1)
+        lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab)
+        if cb < c:
+            lp, ent = mx.pad(lp, [(0, 0), (0, c - cb)]), mx.pad(ent, [(0, 0), (0, c - cb)])
+        parts.append((lp, ent))
+        rows += bucket
+    if len(rows) < g:  # rows with nothing in the loss
+        parts.append((mx.zeros((g - len(rows), c)), mx.zeros((g - len(rows), c))))
+        done = set(rows)
+        rows += [i for i in range(g) if i not in done]
+    lp = mx.concatenate([p[0] for p in parts], axis=0)
+    ent = mx.concatenate([p[1] for p in parts], axis=0)
+    if rows != list(range(g)):
+        back = mx.array(np.argsort(rows))
+        lp, ent = lp[back], ent[back]
+    return lp, ent
+
+
+def _head_logprobs(head, hidden, targets, chunk_floats, vocab):
+    """Log-probs and entropies from hidden states, in row chunks of at most
+    `chunk_floats` logits that are recomputed in the backward pass (mx.checkpoint)."""
+    n, c = targets.shape
+
+    def chunk(h, y):
+        return _logprobs_of(head(h), y)
+
+    rows = max(1, chunk_floats // max(1, c * vocab))
+    if rows >= n:
+        return chunk(hidden, targets)
+    fn = mx.checkpoint(chunk)
+    parts = [fn(hidden[i : i + rows], targets[i : i + rows]) for i in range(0, n, rows)]
+    return (
+        mx.concatenate([p[0] for p in parts], axis=0),
+        mx.concatenate([p[1] for p in parts], axis=0),
+    )
+
+
+def effective_lengths(mask: mx.array) -> list[int]:
+    """Per row, one past the last position whose mask is set (0 for an empty row):
+    later positions cannot affect the loss (the attention is causal)."""
+    m = np.array(mask) > 0
+    last = m.shape[1] - np.argmax(m[:, ::-1], axis=1)
+    return np.where(m.any(axis=1), last, 0).tolist()
 
 
 def completion_logprobs(
@@ -162,15 +255,18 @@ def completion_logprobs(
     prompts: list[mx.array],
     completions: mx.array,
     chunk_floats: int = 1 << 24,
+    lengths: list[int] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Log-probs and entropies of the completion tokens, [N, C] each.
 
     `prompts` holds the B prompts (1-D token arrays); `completions` is [N, C] with
     N = B * G, group b in rows b*G..(b+1)*G-1, right-padded (padding sits after the
-    tokens it could affect, so the causal mask keeps it out). Each prompt is run once
-    for its whole group, and logits are computed only at the C positions that predict
-    completion tokens, in row chunks of at most `chunk_floats` logits that are
-    recomputed in the backward pass (mx.checkpoint).
+    tokens it could affect, so the causal mask keeps it out). `lengths` (default: C
+    for every row) says how many leading positions of each row are needed; the rest
+    are returned as 0 and cost nothing. Each prompt is run once for its whole group,
+    completions run in buckets of similar length, and logits are computed only at the
+    positions that predict completion tokens, in row chunks of at most `chunk_floats`
+    logits that are recomputed in the backward pass (mx.checkpoint).
     """
     n, c = completions.shape
     g = n // len(prompts)
@@ -181,20 +277,22 @@ def completion_logprobs(
         return _full_sequence_logprobs(model, prompts, completions, g)
 
     head = _output_head(model)
-    hidden = mx.concatenate(
-        [_group_hidden(model, p, completions[b * g : (b + 1) * g]) for b, p in enumerate(prompts)],
-        axis=0,
-    )
-
-    def chunk(h, y):
-        return _logprobs_of(head(h), y)
-
-    vocab = _vocab_size(model, head, hidden)
-    rows = max(1, chunk_floats // max(1, c * vocab))
-    if rows >= n:
-        return chunk(hidden, completions)
-    fn = mx.checkpoint(chunk)
-    parts = [fn(hidden[i : i + rows], completions[i : i + rows]) for i in range(0, n, rows)]
+    lengths = [c] * n if lengths is None else [min(int(x), c) for x in lengths]
+    vocab = _vocab_size(model, head, completions)
+    parts = [
+        _group_logprobs(
+            model,
+            head,
+            p,
+            completions[b * g : (b + 1) * g],
+            lengths[b * g : (b + 1) * g],
+            chunk_floats,
+            vocab,
+        )
+        for b, p in enumerate(prompts)
+    ]
+    if len(parts) == 1:
+        return parts[0]
     return (
         mx.concatenate([p[0] for p in parts], axis=0),
         mx.concatenate([p[1] for p in parts], axis=0),
@@ -212,11 +310,11 @@ def _full_sequence_logprobs(model, prompts, completions, g):
     return _logprobs_of(logits, completions)
 
 
-def _vocab_size(model: nn.Module, head, hidden: mx.array) -> int:
+def _vocab_size(model: nn.Module, head, completions: mx.array) -> int:
     args = getattr(model, "args", None)
     if args is not None and getattr(args, "vocab_size", None):
         return int(args.vocab_size)
-    return int(head(hidden[:1, :1]).shape[-1])
+    return int(model(completions[:1, :1]).shape[-1])
 
 
 @dataclass
@@ -302,7 +400,9 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     `cfg` is a `GRPOConfig` (only epsilon, epsilon_high, beta, loss_type and
     logits_chunk are read).
     """
-    logp, entropy = completion_logprobs(model, batch.prompts, batch.completions, cfg.logits_chunk)
+    logp, entropy = completion_logprobs(
+        model, batch.prompts, batch.completions, cfg.logits_chunk, effective_lengths(batch.mask)
+    )
     old = mx.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     tok_loss, kl, clipped, ratio = per_token_loss(

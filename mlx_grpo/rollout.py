@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -73,12 +74,47 @@ def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> li
 
 
 def make_rollout_sampler(cfg: RolloutConfig):
+    """The rollout's sampler: mlx_lm's `make_sampler`, except that with top_k set (and
+    no min_p) the same distribution is drawn from the k best tokens only."""
+    if cfg.top_k > 0 and cfg.min_p == 0.0:
+        return partial(top_k_sampler, top_k=cfg.top_k, top_p=cfg.top_p, temp=cfg.temperature)
     return make_sampler(
         temp=cfg.temperature,
         top_p=cfg.top_p if cfg.top_p < 1.0 else 0.0,
         min_p=cfg.min_p,
         top_k=cfg.top_k,
     )
+
+
+def top_k_candidates(logprobs: mx.array, top_k: int, top_p: float) -> tuple[mx.array, mx.array]:
+    """(token ids [N, k], their log-probs with the ones top-p drops at -inf), best first,
+    from normalised log-probs [N, V] (what mlx_lm passes to a sampler).
+
+    The same tokens as mlx_lm's `apply_top_p` then `apply_top_k` keep: top-p keeps the
+    most probable tokens while the mass of those before them is < top_p (of the whole
+    vocabulary), so within the k best it keeps a prefix of them. Sorting k values
+    instead of the vocabulary is what makes it fast: mlx_lm's top-p sorts all ~50k
+    log-probs of every row at every decode step, which on a CPU costs more than a
+    small model's forward.
+    """
+    k = min(top_k, logprobs.shape[-1])
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(logprobs, ids, axis=-1).astype(mx.float32)
+    order = mx.argsort(-vals, axis=-1)
+    ids = mx.take_along_axis(ids, order, axis=-1)
+    vals = mx.take_along_axis(vals, order, axis=-1)
+    if top_p < 1.0:  # log-probs are normalised (the sampler contract): total mass 1
+        probs = mx.exp(vals)
+        before = mx.cumsum(probs, axis=-1) - probs  # mass of the better tokens
+        vals = mx.where(before < top_p, vals, -mx.inf)
+    return ids, vals
+
+
+def top_k_sampler(logprobs: mx.array, top_k: int, top_p: float, temp: float) -> mx.array:
+    """Sample at `temp` among the top-k (then top-p) tokens of [N, V] log-probs."""
+    ids, vals = top_k_candidates(logprobs, top_k, top_p)
+    pick = mx.random.categorical(vals * (1 / temp), axis=-1)
+    return mx.take_along_axis(ids, pick[..., None], axis=-1).squeeze(-1)
 
 
 class KeyedSampler:
@@ -93,6 +129,8 @@ class KeyedSampler:
     def __init__(self, cfg: RolloutConfig, key: mx.array):
         self.key = key
         self.temp = cfg.temperature
+        self.top_k, self.top_p = cfg.top_k, cfg.top_p
+        self.fast_top_k = cfg.top_k > 0 and cfg.min_p == 0.0
         self.filters = []
         if 0 < cfg.top_p < 1.0:
             self.filters.append(lambda x: apply_top_p(x, cfg.top_p))
@@ -102,10 +140,14 @@ class KeyedSampler:
             self.filters.append(lambda x: apply_top_k(x, cfg.top_k))
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        for f in self.filters:
-            logprobs = f(logprobs)
         pair = mx.random.split(self.key)
         self.key = pair[0]
+        if self.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
+            ids, vals = top_k_candidates(logprobs, self.top_k, self.top_p)
+            pick = mx.random.categorical(vals * (1.0 / self.temp), key=pair[1])
+            return mx.take_along_axis(ids, pick[..., None], axis=-1).squeeze(-1)
+        for f in self.filters:
+            logprobs = f(logprobs)
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=pair[1])
 
 

@@ -22,6 +22,7 @@ from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
     completion_logprobs,
+    effective_lengths,
     group_advantages,
     grpo_loss,
     zero_variance_groups,
@@ -217,9 +218,13 @@ def train(
         advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
         zero_var = np.array(zero_variance_groups(r_mx, g))
         curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-        # Groups whose rewards are all equal carry no gradient: leave them out of the
-        # loss (and out of the forward/backward). `filter` trains on at most B groups.
-        train_groups = [i for i in range(n_tasks) if not zero_var[i]][:b]
+        # Groups whose rewards are all equal carry no policy gradient: leave them out of
+        # the loss and the forward/backward (unless grpo.skip_zero_variance_groups is
+        # off). `filter` trains on at most B groups.
+        train_groups = [i for i in range(n_tasks) if not zero_var[i]]
+        if not cfg.grpo.skip_zero_variance_groups:
+            train_groups += [i for i in range(n_tasks) if zero_var[i]]
+        train_groups = sorted(train_groups[:b])
         local = [i - mine.start for i in train_groups if i in mine]
 
         tic = time.perf_counter()
@@ -355,7 +360,12 @@ def _update(
     `batch` is this rank's share (None when all its groups were left out: it still
     joins every exchange, with zero gradients)."""
     if batch is not None:
-        need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
+        need = [
+            batch.prompts,
+            batch.completions,
+            cfg.grpo.logits_chunk,
+            effective_lengths(batch.mask),
+        ]
         if cfg.grpo.beta > 0:
             with adapters_disabled(model):
                 batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])

@@ -298,3 +298,36 @@ def test_reference_equals_base_model(tiny, tiny_model_dir):
         ref = model(x)
     assert mx.allclose(ref, base(x), atol=1e-6).item()
     assert not mx.allclose(model(x), base(x), atol=1e-3).item()  # adapters are back on
+
+
+def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch):
+    """Completions run in length buckets (each padded to its own longest row) give the
+    log-probs and gradients of one padded batch at every position that counts."""
+    import mlx_grpo.grpo as grpo
+
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=6)
+    _randomize_lora_b(model)
+    prompts, comp, lens = _groups(seed=6, g=4, max_c=7)
+    lens = lens.copy()
+    lens[5] = 0  # a row with nothing in the loss
+    mask = mx.array((np.arange(comp.shape[1])[None] < lens[:, None]).astype(np.float32))
+    assert grpo.effective_lengths(mask) == lens.tolist()
+    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
+    monkeypatch.setattr(grpo, "BUCKET_OVERHEAD_POSITIONS", 0)  # one bucket per length
+    assert len(grpo.length_buckets(lens[:4].tolist())) == len(set(lens[:4].tolist()))
+
+    def run(lengths):
+        def f(m):
+            lp, ent = completion_logprobs(m, prompts, comp, lengths=lengths)
+            return (lp * weights * mask).sum(), (lp * mask, ent * mask)
+
+        return nn.value_and_grad(model, f)(model)
+
+    (v1, (lp1, e1)), g1 = run(lens.tolist())
+    (v2, (lp2, e2)), g2 = run(None)
+    np.testing.assert_allclose(np.array(lp1), np.array(lp2), atol=1e-5)
+    np.testing.assert_allclose(np.array(e1), np.array(e2), atol=1e-4)
+    assert abs(v1.item() - v2.item()) < 1e-4 * max(1.0, abs(v2.item()))
+    for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=2e-3, atol=1e-4, err_msg=k)

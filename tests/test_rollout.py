@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -109,3 +110,36 @@ def test_keyed_samples_do_not_depend_on_the_batch(tiny):
     top1 = generate_groups(model, tok, prompts, 4, greedy_cfg, keyed_samplers(greedy_cfg, keys))
     greedy = generate_groups(model, tok, prompts, 4, cfg, make_sampler(temp=0.0))
     assert [c.tokens for c in top1.completions] == [c.tokens for c in greedy.completions]
+
+
+def test_top_k_sampler_keeps_mlx_lm_candidates_and_distribution():
+    """The fast top-k/top-p sampler keeps exactly the tokens mlx_lm's apply_top_p then
+    apply_top_k keep, and samples them with mlx_lm's tempered probabilities."""
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+    from mlx_grpo.rollout import top_k_candidates, top_k_sampler
+
+    mx.random.seed(3)
+    for spread in (0.5, 2.0, 6.0):
+        logits = mx.random.normal((6, 300)) * spread
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        for k, p in ((5, 0.5), (20, 0.95), (20, 1.0), (50, 0.9)):
+            ref = logprobs if p >= 1.0 else apply_top_p(logprobs, p)
+            ref = apply_top_k(ref, k)
+            ids, vals = top_k_candidates(logprobs, k, p)
+            for row in range(6):
+                want = {i for i, v in enumerate(ref[row].tolist()) if v > -float("inf")}
+                got = {
+                    i for i, v in zip(ids[row].tolist(), vals[row].tolist()) if v > -float("inf")
+                }
+                assert got == want, (spread, k, p, row)
+
+    logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    temp = 0.8
+    ref = apply_top_k(apply_top_p(logprobs, 0.9), 5)
+    want = mx.softmax(ref / temp, axis=-1)[0].tolist()
+    draws = top_k_sampler(mx.broadcast_to(logprobs, (40000, 8)), top_k=5, top_p=0.9, temp=temp)
+    freq = np.bincount(np.array(draws), minlength=8) / 40000
+    for f, w in zip(freq, want):
+        assert abs(f - w) < 0.01, (freq, want)

@@ -206,3 +206,17 @@ def test_token_budget_stops_the_run_and_saves(tiny_model_dir, tmp_path, capsys):
     assert totals[-1] >= 100 > totals[-2] and len(rows) < 50
     assert (tmp_path / "b" / f"step-{len(rows):06d}").exists()
     assert "token budget 100 reached" in capsys.readouterr().out
+
+
+def test_zero_variance_groups_are_skipped_unless_asked(tiny_model_dir, tmp_path):
+    """All rewards equal: by default no group enters the update; with
+    grpo.skip_zero_variance_groups=false every group does (TRL's behaviour)."""
+    flat = ['--recipe.weights={"ascii": 0.0, "short": 0.0}', "--train.steps=2"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "skip", *flat)) == 0
+    rows = _metrics(tmp_path / "skip")
+    assert [r["groups/trained"] for r in rows] == [0, 0] and "loss/total" not in rows[0]
+    keep = [*flat, "--grpo.skip_zero_variance_groups=false"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "keep", *keep)) == 0
+    rows = _metrics(tmp_path / "keep")
+    assert [r["groups/trained"] for r in rows] == [2, 2]
+    assert all(r["groups/zero_variance_frac"] == 1.0 and "loss/total" in r for r in rows)

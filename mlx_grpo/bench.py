@@ -1,0 +1,519 @@
+"""`python -m mlx_grpo.bench` (`make bench`): mlx-grpo against TRL and mlx-lm-lora on
+one fixed GRPO work unit, side by side in one run, and against the machine's floor.
+
+    python -m mlx_grpo.bench                 # all three systems, floor, scaling (~15 min)
+    python -m mlx_grpo.bench --smoke         # one step of mlx-grpo only (+ its profile)
+    python -m mlx_grpo.bench --systems mlx-grpo,trl --steps 3 --no-scaling
+
+The work unit (mlx_grpo/bench_peers/__init__.py): SmolLM2-135M-Instruct in float32
+(the embedded model, dequantized; exported once to an HF folder for the peers), 2
+prompts x 8 completions, 64 new tokens, temperature 0.8, top-p 0.95, top-k 20, LoRA r8
+scale 10 on every linear layer, beta 0.04, lr 1e-5, loss `grpo`, one update per rollout,
+16 seeded two-digit additions scored 1 when the right number appears.
+
+Each system runs in its own process (the peers in their own virtual environments,
+created on first use: .venv-bench-trl, .venv-bench-mlxlmlora) and prints its per-step
+times. Reported per system: median step time without the first step, rollout time and
+tokens/s, the rest of the step ("update": reference and policy passes, optimizer,
+scoring), the time from process start to the end of the first step, and peak RSS.
+Then mlx-grpo's step against the floor (GEMM rate and memory bandwidth measured in
+the same run; mlx_grpo/bench_peers/opclass.py), split by phase and op class, and
+mlx-grpo's scaling in G and new tokens. Results go to bench/results/<date>.json
+(+ .md) and the terminal. The machines are noisy: read the ratios, not the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlx_grpo.bench_peers import RESULT_TAG
+
+ROOT = Path(__file__).resolve().parent.parent
+LINUX = sys.platform == "linux"
+LINUX_X86 = LINUX and platform.machine() in ("x86_64", "AMD64")
+# Pinned so that a re-run measures the same peers; the torch pin is the CPU build on
+# Linux (a plain `torch` from PyPI is the multi-GB CUDA build there).
+PEERS = {
+    "trl": {
+        "venv": ".venv-bench-trl",
+        "first": ["torch==2.13.0+cpu" if LINUX else "torch==2.13.0"],
+        "reqs": ["trl==1.16.0", "peft==0.21.2", "transformers==5.23.0", "datasets"],
+        "runner": "mlx_grpo.bench_peers.run_trl",
+    },
+    "mlx-lm-lora": {
+        "venv": ".venv-bench-mlxlmlora",
+        "first": [],
+        "reqs": ["mlx-lm-lora==5.10.2", "mlx[cpu]==0.32.4" if LINUX else "mlx==0.32.4"]
+        + (["cmeel-openblas"] if LINUX_X86 else []),
+        "runner": "mlx_grpo.bench_peers.run_mlx_lm_lora",
+    },
+}
+SYSTEMS = ("mlx-grpo", "trl", "mlx-lm-lora")
+SCALING = [(4, 64), (16, 64), (8, 128), (8, 256)]  # (G, new tokens); (8, 64) is the main run
+BASE_DIR = Path.home() / ".cache" / "mlx-grpo" / "bench" / "smollm2-base-f32"
+
+
+class BenchError(RuntimeError):
+    """A system could not be set up or run; the message is one line."""
+
+
+def say(msg: str) -> None:
+    print(f"bench: {msg}", flush=True)
+
+
+def ensure_venv(name: str) -> Path:
+    """The peer's virtual environment, created (or updated) when its pins change."""
+    spec = PEERS[name]
+    venv = ROOT / spec["venv"]
+    py = venv / "bin" / "python"
+    key = hashlib.sha256(json.dumps([spec["first"], spec["reqs"]]).encode()).hexdigest()[:12]
+    stamp = venv / f".installed-{key}"
+    if stamp.exists():
+        return py
+    say(f"creating {venv.name} ({', '.join(spec['first'] + spec['reqs'])}); once, takes minutes")
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for group in (spec["first"], spec["reqs"]):  # torch first and alone: pip keeps its build
+        if group:
+            r = subprocess.run(
+                [str(py), "-m", "pip", "install", "-q", *group], capture_output=True, text=True
+            )
+            if r.returncode:
+                last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+                raise BenchError(f"{venv.name}: pip install {' '.join(group)}: {last}")
+    for old in venv.glob(".installed-*"):
+        old.unlink()
+    stamp.touch()
+    return py
+
+
+def ensure_base_export() -> Path:
+    """The embedded model, dequantized to float32, as an HF folder (the peers' weights)."""
+    if (BASE_DIR / "model.safetensors").exists():
+        return BASE_DIR
+    say(f"exporting the embedded model to {BASE_DIR}")
+    BASE_DIR.parent.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_grpo",
+            "export",
+            "default",
+            "--format",
+            "base",
+            "--dtype",
+            "float32",
+            "--out",
+            str(BASE_DIR),
+            "--force",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+    if r.returncode:
+        raise BenchError(f"export of the base model failed: {r.stderr.strip()[-300:]}")
+    return BASE_DIR
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_runner(python: str, module: str, args: list[str], timeout: float, log: Path) -> dict:
+    """Run one system's runner in a fresh process; its tagged JSON line is the result."""
+    t0 = time.time()
+    cmd = [str(python), "-m", module, "--t0", repr(t0), *args]
+    try:
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{module} ran past {timeout:.0f} s") from None
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+    for line in r.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            out = json.loads(line[len(RESULT_TAG) :])
+            out["wall_s"] = time.time() - t0
+            return out
+    tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+    raise BenchError(f"{module} exited {r.returncode}: {tail[0][:200]} (log: {log})")
+
+
+def summarize(res: dict) -> dict:
+    """Medians over the steps after the first (all steps when there is only one)."""
+    steps = res["steps"][1:] or res["steps"]
+
+    def med(f):
+        return statistics.median(f(s) for s in steps)
+
+    return {
+        "step_s": med(lambda s: s["step_s"]),
+        "rollout_s": med(lambda s: s["rollout_s"]),
+        "update_s": med(lambda s: s["update_s"]),
+        "rollout_tok_s": med(lambda s: s["gen_tokens"] / max(s["rollout_s"], 1e-9)),
+        "gen_tokens": med(lambda s: s["gen_tokens"]),
+        "reward_mean": statistics.mean(s["reward_mean"] or 0.0 for s in res["steps"]),
+        "time_to_first_step_s": res["time_to_first_step_s"],
+        "peak_rss_gb": res["peak_rss_mb"] / 1024,
+        "steps_measured": len(steps),
+        "trainable_params": res.get("trainable_params"),
+    }
+
+
+def floor_report(res: dict) -> dict:
+    """mlx-grpo's step as a multiple of the floor (per step, then the median), and the
+    profiled step's phases and op classes against their floors."""
+    from mlx_grpo.bench_peers.opclass import floor_seconds
+
+    prof = res["profile"]
+    rates = prof["rates"]
+    steps = res["steps"][1:] or res["steps"]
+    multiples = [s["step_s"] / floor_seconds(s["work"], rates)["total"] for s in steps]
+    floors = floor_seconds(prof["work"], rates)
+    phases = prof["phases_s"]
+    rows = {}
+    for phase, secs in phases.items():
+        rows[phase] = {
+            "measured_s": secs,
+            "floor_s": floors.get(phase, 0.0),
+            "ops_s": prof["op_classes_s"].get(phase, {}),
+        }
+    return {
+        "rates": rates,
+        "step_floor_s": statistics.median(floor_seconds(s["work"], rates)["total"] for s in steps),
+        "step_over_floor": statistics.median(multiples),
+        "profiled_step": {
+            "floor": floors,
+            "phases": rows,
+            "completion_tokens": prof["work"]["completion_tokens"],
+        },
+    }
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    if LINUX:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    mem = ""
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        mem = f", {pages / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError, AttributeError):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
+
+
+# ---- tables -----------------------------------------------------------------------
+
+
+def _f(v, nd=1):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) for each table."""
+    out = []
+    sysrows = report["systems"]
+    ours = sysrows.get("mlx-grpo", {}).get("summary")
+    rows = []
+    for name, r in sysrows.items():
+        if "error" in r:
+            rows.append([name, f"failed: {r['error']}"] + [""] * 8)
+            continue
+        s = r["summary"]
+        ratio = "1.00" if name == "mlx-grpo" or not ours else f"{ours['step_s'] / s['step_s']:.2f}"
+        rows.append(
+            [
+                name,
+                _f(s["step_s"]),
+                _f(s["rollout_s"]),
+                _f(s["rollout_tok_s"], 0),
+                _f(s["update_s"]),
+                _f(s["time_to_first_step_s"]),
+                _f(s["peak_rss_gb"], 2),
+                "-" if s.get("trainable_params") is None else f"{s['trainable_params']:,}",
+                f"{s['reward_mean']:.2f}",
+                ratio,
+            ]
+        )
+    out.append(
+        (
+            "Work unit: SmolLM2-135M fp32, B=2 x G=8, 64 new tokens, LoRA r8 all linears "
+            + (
+                f"(median of the {report['steps'] - 1} steps after the first)"
+                if report["steps"] > 1
+                else "(one step)"
+            ),
+            [
+                "system",
+                "step s",
+                "rollout s",
+                "rollout tok/s",
+                "update s",
+                "first step s",
+                "peak RSS GB",
+                "LoRA params",
+                "reward",
+                "mlx-grpo / system",
+            ],
+            rows,
+        )
+    )
+    fl = report.get("floor")
+    if fl:
+        rates = fl["rates"]
+        ps = fl["profiled_step"]
+        rows = []
+        for phase, r in ps["phases"].items():
+            ops = r["ops_s"]
+            rows.append(
+                [
+                    phase,
+                    _f(r["measured_s"], 2),
+                    _f(r["floor_s"], 2),
+                    _f(r["measured_s"] / r["floor_s"], 1) if r["floor_s"] else "-",
+                    *[_f(ops.get(k), 2) for k in ("gemm", "attention", "elementwise", "python")],
+                ]
+            )
+        out.append(
+            (
+                f"Floor: GEMM {rates['gemm_gflops']:.0f} GFLOP/s, bandwidth "
+                f"{rates['bandwidth_gbs']:.1f} GB/s; mlx-grpo step = {fl['step_over_floor']:.1f}x "
+                f"its floor ({fl['step_floor_s']:.2f} s). Profiled step by phase and op class "
+                f"(seconds; op classes estimated from isolated ops at the real shapes)",
+                [
+                    "phase",
+                    "measured s",
+                    "floor s",
+                    "x floor",
+                    "GEMM",
+                    "attention",
+                    "elementwise",
+                    "python/other",
+                ],
+                rows,
+            )
+        )
+    sc = report.get("scaling")
+    if sc:
+        rows = [
+            [
+                str(r["group"]),
+                str(r["max_new_tokens"]),
+                *(
+                    [f"failed: {r['error']}", "", "", "", ""]
+                    if "error" in r
+                    else [
+                        _f(r["summary"]["step_s"]),
+                        _f(r["summary"]["rollout_s"]),
+                        _f(r["summary"]["update_s"]),
+                        _f(r["summary"]["peak_rss_gb"], 2),
+                        _f(r["mlx_peak_gb"], 2),
+                    ]
+                ),
+            ]
+            for r in sc
+        ]
+        out.append(
+            (
+                "mlx-grpo scaling (B=2)",
+                [
+                    "G",
+                    "new tokens",
+                    "step s",
+                    "rollout s",
+                    "update s",
+                    "peak RSS GB",
+                    "MLX peak GB",
+                ],
+                rows,
+            )
+        )
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"Machine: {report['machine']}. Command: `{report['command']}` ({report['date']}).",
+        "",
+    ]
+    for title, header, rows in tables(report):
+        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def print_tables(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 140))
+    console.print(f"[bold]machine[/bold]: {report['machine']}")
+    for title, header, rows in tables(report):
+        t = Table(title=title, title_justify="left")
+        for h in header:
+            t.add_column(h, justify="left" if h in ("system", "phase") else "right")
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+
+
+# ---- main -------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mlx_grpo.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="one step of mlx-grpo only (+ profile)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--steps", type=int, default=4, help="steps per system (the first is excluded)")
+    p.add_argument("--scaling-steps", type=int, default=2)
+    p.add_argument("--no-scaling", action="store_true")
+    p.add_argument("--model", default="default", help="mlx-grpo's model (smoke tests: a tiny one)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per system run")
+    args = p.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        print(
+            f"error: --systems: unknown {', '.join(bad)} (known: {', '.join(SYSTEMS)})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.smoke:
+        systems, args.steps, args.no_scaling = ["mlx-grpo"], 1, True
+    if "mlx-grpo" not in systems:
+        print("error: --systems must include mlx-grpo (the ratios are against it)", file=sys.stderr)
+        return 2
+    out_dir = args.out or (None if args.smoke else ROOT / "bench" / "results")
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    logs = Path(out_dir or "/tmp") / f"logs-{stamp}"
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine(),
+        "command": " ".join(
+            ["python -m mlx_grpo.bench", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "steps": args.steps,
+        "systems": {},
+    }
+    ours_args = ["--steps", str(args.steps), "--model", args.model]
+    try:
+        peers = {}
+        for name in systems:
+            if name != "mlx-grpo":
+                peers[name] = ensure_venv(name)
+        base = ensure_base_export() if peers else None
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    for name in systems:
+        say(f"{name}: {args.steps} step(s)")
+        try:
+            if name == "mlx-grpo":
+                res = run_runner(
+                    sys.executable,
+                    "mlx_grpo.bench_peers.run_mlx_grpo",
+                    [*ours_args, "--profile"],
+                    args.timeout,
+                    logs / f"{name}.log",
+                )
+            else:
+                res = run_runner(
+                    peers[name],
+                    PEERS[name]["runner"],
+                    ["--steps", str(args.steps), "--model", str(base)],
+                    args.timeout,
+                    logs / f"{name}.log",
+                )
+            res["summary"] = summarize(res)
+            say(f"{name}: step {res['summary']['step_s']:.1f} s")
+        except BenchError as e:
+            say(f"{name}: {e}")
+            res = {"error": str(e)}
+        report["systems"][name] = res
+    ours = report["systems"].get("mlx-grpo", {})
+    if "profile" in ours:
+        report["floor"] = floor_report(ours)
+
+    if not args.no_scaling:
+        report["scaling"] = []
+        main_row = ours.get("summary")
+        for g, t in sorted(SCALING + [(8, 64)]):
+            if (g, t) == (8, 64) and main_row:
+                report["scaling"].append(
+                    {
+                        "group": 8,
+                        "max_new_tokens": 64,
+                        "summary": main_row,
+                        "mlx_peak_gb": max(s["mlx_peak_gb"] for s in ours["steps"]),
+                    }
+                )
+                continue
+            say(f"scaling: G={g}, {t} new tokens")
+            try:
+                res = run_runner(
+                    sys.executable,
+                    "mlx_grpo.bench_peers.run_mlx_grpo",
+                    [
+                        "--steps",
+                        str(args.scaling_steps),
+                        "--model",
+                        args.model,
+                        "--group",
+                        str(g),
+                        "--max-new-tokens",
+                        str(t),
+                    ],
+                    args.timeout,
+                    logs / f"scaling-G{g}-T{t}.log",
+                )
+                report["scaling"].append(
+                    {
+                        "group": g,
+                        "max_new_tokens": t,
+                        "summary": summarize(res),
+                        "mlx_peak_gb": max(s["mlx_peak_gb"] for s in res["steps"]),
+                        "steps": res["steps"],
+                    }
+                )
+            except BenchError as e:
+                report["scaling"].append({"group": g, "max_new_tokens": t, "error": str(e)})
+
+    print_tables(report)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{stamp}.json"
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        (out_dir / f"{stamp}.md").write_text(markdown(report))
+        say(f"results: {path} (+ .md); logs: {logs}")
+    failed = [n for n, r in report["systems"].items() if "error" in r]
+    return 1 if "mlx-grpo" in failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""TRL's GRPOTrainer (PyTorch + PEFT) on the benchmark's work unit.
+
+Runs in its own virtual environment (.venv-bench-trl: torch, trl, peft, transformers):
+
+    python -m mlx_grpo.bench_peers.run_trl --model HF_FOLDER --steps 4
+
+The settings are the work unit's (mlx_grpo/bench_peers/__init__.py) spelled in
+GRPOConfig/LoraConfig terms: 16 completions per step as 2 prompts x 8 generations,
+float32 (bf16 off), no gradient checkpointing, LoRA on every linear layer of every
+block, the reference being the base model with the adapter disabled (TRL's PEFT path).
+Rollout time is the time spent in GRPOTrainer._generate (sampling only; the reference
+and old log-probs TRL computes right after it count as update time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+from mlx_grpo import bench_peers as wu
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--t0", type=float, default=None)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--model", required=True, help="the work unit's weights as an HF folder")
+    args = p.parse_args(argv)
+    clock = wu.StepClock(args.t0 or time.time())
+
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    # Step s trains on tasks 2(s-1), 2(s-1)+1: the dataset is laid out in that order
+    # and not shuffled (RepeatSampler then yields each prompt G times, in order).
+    rows = [wu.step_tasks(s) for s in range(1, args.steps + 1)]
+    data = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": t["prompt"]}], "answer": t["answer"]}
+            for step in rows
+            for t in step
+        ]
+    )
+
+    def correct(completions, answer, **kwargs):
+        return [wu.reward(c[0]["content"], a) for c, a in zip(completions, answer)]
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=wu.BATCH * wu.GROUP,
+            gradient_accumulation_steps=1,
+            num_generations=wu.GROUP,
+            max_completion_length=wu.MAX_NEW_TOKENS,
+            temperature=wu.TEMPERATURE,
+            top_p=wu.TOP_P,
+            top_k=wu.TOP_K,
+            beta=wu.BETA,
+            epsilon=wu.EPSILON,
+            num_iterations=wu.NUM_ITERATIONS,
+            loss_type=wu.LOSS_TYPE,
+            scale_rewards="group",
+            learning_rate=wu.LEARNING_RATE,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=wu.MAX_GRAD_NORM,
+            weight_decay=0.0,
+            max_steps=args.steps,
+            shuffle_dataset=False,
+            gradient_checkpointing=False,
+            bf16=False,
+            fp16=False,
+            use_cpu=not torch.cuda.is_available(),
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            seed=0,
+            disable_tqdm=True,
+        )
+        lora = LoraConfig(
+            r=wu.LORA_RANK,
+            lora_alpha=wu.LORA_ALPHA,
+            lora_dropout=wu.LORA_DROPOUT,
+            target_modules=wu.LORA_MODULES,
+            task_type="CAUSAL_LM",
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=correct,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            peft_config=lora,
+        )
+
+        gen_s = [0.0]
+        real_generate = trainer._generate
+
+        def timed_generate(*a, **k):
+            tic = time.perf_counter()
+            try:
+                return real_generate(*a, **k)
+            finally:
+                gen_s[0] += time.perf_counter() - tic
+
+        trainer._generate = timed_generate
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.tic = time.perf_counter()
+                gen_s[0] = 0.0
+
+            def on_step_end(self, *a, **k):
+                self.step_s = time.perf_counter() - self.tic
+                self.rollout_s = gen_s[0]
+
+        clock_cb = Clock()
+        trainer.add_callback(clock_cb)
+
+        class Record(TrainerCallback):  # after logging: the step's metrics are known
+            def on_log(self, _args, state, control, logs=None, **k):
+                if not logs or "completions/mean_length" not in logs:
+                    return
+                n = wu.BATCH * wu.GROUP
+                clock.record(
+                    step_s=clock_cb.step_s,
+                    rollout_s=clock_cb.rollout_s,
+                    update_s=clock_cb.step_s - clock_cb.rollout_s,
+                    gen_tokens=round(logs["completions/mean_length"] * n),
+                    reward_mean=logs.get("reward"),
+                )
+
+        trainer.add_callback(Record())
+        trainer.train()
+    versions = (
+        f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}"
+    )
+    wu.emit(
+        clock.result(
+            "TRL",
+            versions,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            threads=torch.get_num_threads(),
+            trainable_params=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            activation_checkpointing=bool(config.gradient_checkpointing),
+            bf16=bool(config.bf16),
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
