@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-RECIPE ?= arithmetic
+RECIPE ?= web_browsing
 MODEL  ?=
 STEPS  ?=
 RUN    ?=
