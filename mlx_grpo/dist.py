@@ -55,7 +55,7 @@ class Dist:
             return tree
         flat = tree_flatten(tree)
         out = dict(flat)
-        for dtype in {v.dtype for _, v in flat}:
+        for dtype in sorted({v.dtype for _, v in flat}, key=str):  # same order on all ranks
             items = [(k, v) for k, v in flat if v.dtype == dtype]
             big = self.all_sum(mx.concatenate([v.reshape(-1) for _, v in items]))
             offsets = np.cumsum([v.size for _, v in items])[:-1].tolist()

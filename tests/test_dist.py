@@ -142,3 +142,62 @@ def test_two_ranks_match_one_process_and_resume(tiny_model_dir, tmp_path):
     assert _metrics(two / "rank0" / "ckpt" / "s") == m2
     _same(_adapters(two / "rank0" / "ckpt" / "s" / "adapters.safetensors"), a0)
     _same(_adapters(two / "adapters-rank1.safetensors"), a0)
+
+
+COLLECTIVES = """
+import json, sys
+import mlx.core as mx
+from mlx_grpo.dist import Dist, RankZeroError
+
+d = Dist()
+r = d.rank
+tree = {"a": [mx.full((2, 3), r + 1.0)], "b": mx.array([r + 0.5], dtype=mx.bfloat16),
+        "n": mx.array([r + 1], dtype=mx.int32)}
+s = d.sum_tree(tree)
+sent = d.broadcast_arrays(
+    {"w": mx.arange(5, dtype=mx.float32) - 2, "step": mx.array([7], dtype=mx.uint64)}
+    if r == 0 else None
+)
+def fail():
+    raise ValueError("rank 0 says no")
+try:
+    d.run_on_main(fail)
+    err = None
+except (ValueError, RankZeroError) as e:
+    err = [type(e).__name__, str(e)]
+out = {
+    "share": list(d.share(5)),
+    "sum": [s["a"][0].tolist(), s["b"].astype(mx.float32).tolist(), s["n"].tolist()],
+    "gather": d.gather({"rank": r, "text": "x" * (3 * r + 1)}),
+    "broadcast": d.broadcast({"from": r}),
+    "arrays": {k: [v.tolist(), str(v.dtype)] for k, v in sent.items()},
+    "error": err,
+}
+print("RESULT", r, json.dumps(out), flush=True)
+"""
+
+
+def test_collectives_over_two_ranks(tmp_path):
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), *sys.path])}
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port"]
+    cmd += [str(_free_port_pair()), "--", sys.executable, str(script)]
+    done = subprocess.run(
+        cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=120
+    )
+    lines = [ln.split(" ", 2) for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    got = {int(rank): json.loads(body) for _, rank, body in lines}
+    assert sorted(got) == [0, 1], done.stdout + done.stderr
+    assert got[0]["share"] == [0, 1] and got[1]["share"] == [2, 3, 4]
+    for r in (0, 1):
+        g = got[r]
+        assert g["sum"] == [[[3.0] * 3] * 2, [2.0], [3]]  # 1+2, 0.5+1.5, 1+2
+        assert g["gather"] == [{"rank": 0, "text": "x"}, {"rank": 1, "text": "xxxx"}]
+        assert g["broadcast"] == {"from": 0}
+        assert g["arrays"] == {
+            "w": [[-2.0, -1.0, 0.0, 1.0, 2.0], "mlx.core.float32"],
+            "step": [[7], "mlx.core.uint64"],
+        }
+    assert got[0]["error"] == ["ValueError", "rank 0 says no"]
+    assert got[1]["error"] == ["RankZeroError", "rank 0 says no"]
