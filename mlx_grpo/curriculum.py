@@ -34,7 +34,7 @@ from collections import Counter
 
 import numpy as np
 
-from mlx_grpo.config import CurriculumConfig
+from mlx_grpo.config import ConfigError, CurriculumConfig
 from mlx_grpo.recipe import Task
 
 
@@ -42,7 +42,7 @@ def _filter_levels(tasks: list[Task], levels: list[int] | None) -> list[Task]:
     if levels is not None:
         tasks = [t for t in tasks if t.level in set(levels)]
     if not tasks:
-        raise ValueError(f"curriculum: no training tasks at levels {levels}")
+        raise ConfigError(f"curriculum.levels: no training tasks at levels {levels}")
     return tasks
 
 

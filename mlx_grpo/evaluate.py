@@ -88,7 +88,8 @@ def summarize(results: list[TaskResult], prefix: str = "eval/") -> dict:
     for level in sorted({r.level for r in results}):
         at = [r for r in results if r.level == level]
         key = main or "reward"
-        vals = [np.mean(r.components[key]) if main else np.mean(r.rewards) for r in at]
+        # .get: a task whose samples all raised has only the weighted components
+        vals = [np.mean(r.components.get(key, [0.0])) if main else np.mean(r.rewards) for r in at]
         out[f"{prefix}level_{level}/{key}"] = float(np.mean(vals))
     return out
 

@@ -153,7 +153,7 @@ class Recipe:
         else:
             try:
                 tasks = self.module.make_tasks(split, n, seed, **self.params)
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise ConfigError(f"recipe.params: {self.dir / 'tasks.py'}: {e}") from None
         if not tasks:
             raise ConfigError(f"recipe: {self.name} made no {split} tasks with {self.params}")

@@ -99,14 +99,19 @@ class Counters:
     warned: list[str] = field(default_factory=list)
 
 
-def _zero_signal_cause(rewards: np.ndarray, truncated: np.ndarray, lo: float, hi: float) -> str:
+def _zero_signal_cause(rewards: np.ndarray, truncated: np.ndarray, best: float) -> str:
+    """The likely reason why every group's rewards were equal (`best`: the recipe's
+    best reward)."""
     if truncated.all():
         return "every completion hit rollout.max_new_tokens (raise it)"
-    if np.allclose(rewards, hi):
-        return "every completion got the best reward seen (tasks too easy: raise the level)"
-    if np.allclose(rewards, lo) and lo <= 0:
-        return "every completion failed (tasks too hard, or the reward never fires)"
-    return "rewards are equal within each group (check the reward's granularity)"
+    if np.all(rewards <= 1e-6):
+        return "every completion scored 0 (tasks too hard, or the reward never fires)"
+    if np.all(rewards >= best - 1e-6):
+        return "every completion got the best reward (tasks too easy: raise the level)"
+    return (
+        f"rewards were equal within each group (between {rewards.min():.3g} and "
+        f"{rewards.max():.3g}): the reward is too coarse for these tasks"
+    )
 
 
 def train(
@@ -468,9 +473,8 @@ def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg
         counters.zero_signal_streak += 1
         if counters.zero_signal_streak == cfg.train.zero_signal_warn_steps:
             truncated = np.array([r["truncated"] for r in records])
-            cause = _zero_signal_cause(
-                rewards, truncated, float(rewards.min()), float(rewards.max())
-            )
+            best = sum(w for w in cfg.recipe.weights.values() if w > 0) or 1.0
+            cause = _zero_signal_cause(rewards, truncated, best)
             say(
                 f"step {step}: no learning signal for {counters.zero_signal_streak} steps "
                 f"(every group's rewards were equal): {cause}"

@@ -220,3 +220,14 @@ def test_zero_variance_groups_are_skipped_unless_asked(tiny_model_dir, tmp_path)
     rows = _metrics(tmp_path / "keep")
     assert [r["groups/trained"] for r in rows] == [2, 2]
     assert all(r["groups/zero_variance_frac"] == 1.0 and "loss/total" in r for r in rows)
+
+
+def test_no_signal_warning_names_the_likely_cause():
+    from mlx_grpo.trainer import _zero_signal_cause
+
+    r = np.zeros(8, dtype=np.float32)
+    no = np.zeros(8, dtype=bool)
+    assert "scored 0" in _zero_signal_cause(r, no, best=1.5)
+    assert "best reward" in _zero_signal_cause(r + 1.5, no, best=1.5)
+    assert "too coarse" in _zero_signal_cause(np.repeat([0.2, 1.0], 4), no, best=1.5)
+    assert "max_new_tokens" in _zero_signal_cause(r, ~no, best=1.5)
