@@ -8,9 +8,16 @@ directory as cwd. It reads one JSON job from stdin, then, before any untrusted c
 3. (root) drops to the job's unprivileged uid/gid, so RLIMIT_NPROC applies to it,
 4. points fds 1 and 2 at out.txt in the temporary directory (user prints land there,
    capped by RLIMIT_FSIZE) and keeps a private copy of the original stdout for results,
-5. installs an audit hook (sys.addaudithook) that refuses, and records, file access
-   outside the temporary directory and the standard library, sockets, new processes,
-   signals to other processes and ctypes.
+5. removes from sys.modules every module the program may not import (ctypes, loaded
+   for step 1, and anything a preloaded module pulled in), and
+6. installs an audit hook (sys.addaudithook) that refuses file access outside the
+   temporary directory and the standard library, sockets, new processes, signals to
+   other processes, sqlite3, and imports of modules that reach the OS behind the hook's
+   back (`DENIED_MODULES`: _posixsubprocess, ctypes, sqlite3, subinterpreters...).
+
+A refusal is fatal: the hook writes the violation to the results descriptor and ends
+the process with `os._exit(VIOLATION_RC[reason])`, so a program can neither catch it
+nor erase it; the parent maps the exit status back to the reason.
 
 Then it executes the program and calls `func(*args)` for each test input. Only the
 *returned values* are sent back (as repr); the expected values never enter this process,
@@ -27,16 +34,21 @@ import resource
 import sys
 import sysconfig
 
-VIOLATIONS = []  # (reason, detail) of every refused operation, even if the program catches it
+# Exit status of a process the audit hook ended, per reason (mlx_grpo/sandbox.py maps
+# them back; keep the two in step).
+VIOLATION_RC = {"forbidden_file": 81, "network": 82, "process": 83, "forbidden_module": 84}
 
-
-class SandboxViolation(PermissionError):
-    pass
-
-
-def _deny(reason, detail):
-    VIOLATIONS.append((reason, detail))
-    raise SandboxViolation(f"sandbox: {reason}: {detail}")
+# Modules a program may not import (top-level names): each reaches processes, files or
+# the interpreter in ways the audit hook does not see (_posixsubprocess.fork_exec runs
+# a program with no audit event; sqlite3 and dbm open files in C; a subinterpreter has
+# no hook; ctypes and the _test* modules call C directly).
+DENIED_MODULES = frozenset({
+    "_posixsubprocess", "subprocess", "_sqlite3", "sqlite3", "_ctypes", "ctypes",
+    "_xxsubinterpreters", "_xxinterpchannels", "_interpreters", "_interpchannels",
+    "_interpqueues", "_multiprocessing", "multiprocessing", "_posixshmem", "_dbm", "_gdbm",
+    "dbm", "pty", "_testcapi", "_testinternalcapi", "_testmultiphase", "_testbuffer",
+    "_testimportmultiple", "_ctypes_test", "_xxtestfuzz", "_tkinter", "readline",
+})  # fmt: skip
 
 
 # Imported before the program runs (and before dropping privileges, after which the
@@ -60,6 +72,9 @@ def _confine(job):
         if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
             os.write(2, b"sandbox: unshare(CLONE_NEWNET) failed\n")
             os._exit(97)
+        del libc, ctypes
+    for name in [m for m in sys.modules if m.split(".")[0] in DENIED_MODULES]:
+        del sys.modules[name]  # else `import ctypes` finds it there, with no audit event
     lim = job["limits"]
     _limit(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)
     _limit(resource.RLIMIT_FSIZE, lim["output_bytes"])
@@ -96,8 +111,17 @@ def _allowed_roots(tmp):
     return tuple(roots), os.path.realpath(tmp)
 
 
-def _install_hook(read_roots, write_root):
+def _install_hook(read_roots, write_root, results_fd):
     devices = {"/dev/null", "/dev/urandom", "/dev/random"}
+    # Bound now: the program could replace os._exit or os.write before breaking a rule.
+    _exit, _write, _dumps = os._exit, os.write, json.dumps
+
+    def _deny(reason, detail):
+        """Report the violation and end the process: nothing can catch or undo it."""
+        try:
+            _write(results_fd, b"\n" + _dumps({"violation": [reason, detail]}).encode() + b"\n")
+        finally:
+            _exit(VIOLATION_RC[reason])
 
     def inside(path, roots):
         return any(path == r or path.startswith(r + os.sep) for r in roots)
@@ -123,8 +147,10 @@ def _install_hook(read_roots, write_root):
         "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
         "os.startfile", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
         "signal.pthread_kill", "os.setuid", "os.setgid", "resource.setrlimit", "os.chdir",
-        "os.chroot", "os.fchdir",
+        "os.chroot", "os.fchdir", "resource.prlimit",
     }  # fmt: skip
+    # The gc walks reach any live object, a module deleted from sys.modules included.
+    module_events = {"gc.get_objects", "gc.get_referrers", "gc.get_referents"}
 
     def hook(event, args):
         if event == "open":
@@ -143,7 +169,12 @@ def _install_hook(read_roots, write_root):
             _deny("network", event)
         elif event in process_events:
             _deny("process", event)
-        elif event.startswith(("ctypes.", "_ctypes", "mmap.", "winreg", "sys._debugmallocstats")):
+        elif event == "import":
+            if str(args[0]).split(".")[0] in DENIED_MODULES:
+                _deny("forbidden_module", f"import {args[0]}")
+        elif event.startswith(("ctypes.", "_ctypes", "mmap.", "sqlite3.", "winreg")) or (
+            event in module_events or event == "sys._debugmallocstats"
+        ):
             _deny("forbidden_module", event)
 
     sys.addaudithook(hook)
@@ -158,8 +189,6 @@ def _short_repr(value, limit):
 
 
 def _error_reason(e):
-    if isinstance(e, SandboxViolation) or VIOLATIONS:
-        return VIOLATIONS[0][0] if VIOLATIONS else "forbidden"
     if isinstance(e, MemoryError):
         return "memory"
     if isinstance(e, OSError) and e.errno == errno.EAGAIN:  # fork refused by RLIMIT_NPROC
@@ -186,13 +215,12 @@ def main():
     os.set_inheritable(results_fd, False)
     limit = job["limits"]["repr_chars"]
     if job.get("audit", True):
-        _install_hook(read_roots, write_root)
-    report = {"stage": "compile", "calls": [], "violations": VIOLATIONS}
+        _install_hook(read_roots, write_root, results_fd)
+    report = {"stage": "compile", "calls": []}
 
     def send():
         if os.getpid() != my_pid:  # a forked child of the program: never reports
             os._exit(1)
-        report["violations"] = [list(v) for v in VIOLATIONS[:5]]
         data = json.dumps(report).encode()
         view = memoryview(data)
         while view:
@@ -230,9 +258,6 @@ def main():
                 report["reason"] = reason
                 report["error"] = f"{type(e).__name__}: {_short_repr(e, 200)}"
                 send()
-        if VIOLATIONS:  # a refused operation the program caught itself
-            report["reason"] = VIOLATIONS[0][0]
-            send()
     report["stage"] = "done"
     send()
 
