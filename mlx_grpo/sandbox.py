@@ -9,19 +9,20 @@ What holds, by layer (each job):
 
 | layer | Linux, as root | Linux, not root | macOS |
 | --- | --- | --- | --- |
-| separate process, fresh temp dir as cwd, HOME/TMPDIR inside it, `python -I -S` (no site-packages, no PYTHONPATH, no cwd import), empty environment | yes | yes | yes |
+| separate process, fresh temp dir as cwd, `python -I -S` (no site-packages, no PYTHONPATH, no cwd import), environment of only HOME and TMPDIR (the temp dir), PATH=/usr/bin:/bin, LANG=C.UTF-8 | yes | yes | yes |
 | wall-clock limit (process group killed) | yes | yes | yes |
 | RLIMIT_CPU, RLIMIT_FSIZE (output cap), RLIMIT_NOFILE, RLIMIT_CORE=0 | yes | yes | yes |
 | RLIMIT_AS (memory) | yes | yes | not enforced by macOS; a failed allocation is still reported as `memory` |
-| unprivileged uid per worker slot (60000+slot), so RLIMIT_NPROC bounds a fork bomb, other users' files follow normal permissions, and every process of that uid is killed after the job | yes | runs as you: RLIMIT_NPROC is set to your current process count + `nproc` | same as Linux, not root |
+| unprivileged uid per worker slot (60000.., each locked to one Sandbox: `_claim_uids`), so RLIMIT_NPROC bounds a fork bomb, other users' files follow normal permissions, and every process of that uid is killed after the job | yes | runs as you: RLIMIT_NPROC is set to your current process count + `nproc` | same as Linux, not root |
 | empty network namespace (unshare CLONE_NEWNET): no interface but a down loopback | yes (unless a container withholds CAP_SYS_ADMIN: probed once) | no | no |
-| audit hook (PEP 578) in the child: refuses and records file access outside the temp dir and the stdlib, sockets, fork/exec/subprocess, signals, chdir, ctypes | yes | yes | yes |
+| audit hook (PEP 578) in the child: refuses file access outside the temp dir and the stdlib, sockets, fork/exec/subprocess, signals, chdir, ctypes, sqlite3, and importing modules that act unseen by it (`DENIED_MODULES`); a refusal ends the process | yes | yes | yes |
 
-The audit hook is defence in depth, not a boundary: C code reached some other way
-could bypass it, so the OS layers above are what bound time, memory, processes, output
-and (as root on Linux) the network. Without root on Linux, and on macOS, there is no
-kernel-level network or file isolation: only the audit hook stands there. A cgroup or a
-container gives more, and is the right tool for code from people rather than a 135M model.
+The audit hook is a best-effort layer, not a security boundary: it is Python in the
+program's own interpreter, and a way around it gets whatever the OS allows. The OS
+layers above are what bound time, memory, processes, output and (as root on Linux) the
+network and the files. Without root on Linux, and on macOS, the program runs as you and
+the hook is the only guard for your files and the network. A cgroup or a container
+gives more, and is the right tool for code from people rather than a 135M model.
 """
 
 from __future__ import annotations
