@@ -31,6 +31,7 @@ import errno
 import json
 import os
 import resource
+import stat
 import sys
 import sysconfig
 
@@ -112,70 +113,125 @@ def _allowed_roots(tmp):
 
 
 def _install_hook(read_roots, write_root, results_fd):
-    devices = {"/dev/null", "/dev/urandom", "/dev/random"}
-    # Bound now: the program could replace os._exit or os.write before breaking a rule.
+    # Everything the hook uses is bound here, in its closure: the program can rebind
+    # module globals (this module's included), builtins and os/posixpath functions, but
+    # not these names, C functions, or the methods of exact str and bytes.
     _exit, _write, _dumps = os._exit, os.write, json.dumps
+    _lstat, _readlink, _getcwd, _islnk = os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
+    _str, _bytes, _int, _tuple, _type, _repr = str, bytes, int, tuple, type, repr
+    _isinstance, _reversed, _enc = isinstance, reversed, sys.getfilesystemencoding()
+    _rcs, _denied = dict(VIOLATION_RC), DENIED_MODULES
+    _write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    devices = frozenset({"/dev/null", "/dev/urandom", "/dev/random"})
+    write_roots = (write_root,)
 
-    def _deny(reason, detail):
+    def deny(reason, detail):
         """Report the violation and end the process: nothing can catch or undo it."""
         try:
             _write(results_fd, b"\n" + _dumps({"violation": [reason, detail]}).encode() + b"\n")
         finally:
-            _exit(VIOLATION_RC[reason])
+            _exit(_rcs[reason])
+
+    def plain(text):
+        """An exact str from a str or bytes (subclasses included: join copies the raw
+        data, never calling their methods); None for anything else."""
+        if _isinstance(text, _str):
+            return "".join((text,))
+        if _isinstance(text, _bytes):
+            return b"".join((text,)).decode(_enc, "surrogateescape")
+        return None
+
+    def realpath(path):
+        """os.path.realpath with the bound functions only (posixpath's are rebindable)."""
+        todo = [*_reversed((path if path.startswith("/") else _getcwd() + "/" + path).split("/"))]
+        resolved, links = "", 0
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                resolved = resolved[: resolved.rfind("/")] if resolved else ""
+                continue
+            cand = resolved + "/" + name
+            try:
+                st = _lstat(cand)
+            except OSError:
+                resolved = cand  # does not exist (yet): kept as written
+                continue
+            if not _islnk(st.st_mode):
+                resolved = cand
+                continue
+            links += 1
+            if links > 40:
+                deny("forbidden_file", f"symlink loop at {cand}")
+            target = _readlink(cand)
+            if target.startswith("/"):
+                resolved = ""
+            todo += [*_reversed(target.split("/"))]
+        return resolved or "/"
 
     def inside(path, roots):
-        return any(path == r or path.startswith(r + os.sep) for r in roots)
+        for r in roots:
+            if path == r or path.startswith(r + "/"):
+                return True
+        return False
 
     def check_path(event, path, write):
-        if isinstance(path, int):
+        if _type(path) is _int:
             return  # an already-open descriptor
+        text = plain(path)
+        if text is None:  # a path object: its __fspath__ could answer differently to open()
+            deny("forbidden_file", f"{event}: a path must be str or bytes, not {_type(path)}")
         try:
-            real = os.path.realpath(os.fsdecode(path))
+            real = realpath(text)
         except Exception:
-            _deny("forbidden_file", repr(path))
+            deny("forbidden_file", f"{event} {_repr(text)}")
         if real in devices:
             return
-        if not inside(real, (write_root,) if write else read_roots):
-            _deny("forbidden_file", f"{event} {real}")
+        if not inside(real, write_roots if write else read_roots):
+            deny("forbidden_file", f"{event} {real}")
 
-    write_events = {
+    write_events = frozenset({
         "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
         "os.chmod", "os.chown", "os.truncate", "os.utime", "os.chflags", "os.lchflags",
         "os.setxattr", "os.removexattr", "shutil.rmtree",
-    }  # fmt: skip
-    process_events = {
+    })  # fmt: skip
+    process_events = frozenset({
         "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
         "os.startfile", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
         "signal.pthread_kill", "os.setuid", "os.setgid", "resource.setrlimit", "os.chdir",
         "os.chroot", "os.fchdir", "resource.prlimit",
-    }  # fmt: skip
+    })  # fmt: skip
     # The gc walks reach any live object, a module deleted from sys.modules included.
-    module_events = {"gc.get_objects", "gc.get_referrers", "gc.get_referents"}
+    module_events = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                               "sys._debugmallocstats"})  # fmt: skip
+    module_prefixes = ("ctypes.", "_ctypes", "mmap.", "sqlite3.", "winreg")
 
     def hook(event, args):
         if event == "open":
             path, mode, flags = args
-            write = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-                bool(flags) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-            )
-            check_path(event, path, bool(write))
+            mode, write = plain(mode) or "", False
+            for c in "wax+":
+                write = write or c in mode
+            if _type(flags) is _int and flags & _write_flags:
+                write = True
+            check_path(event, path, write)
         elif event in ("os.listdir", "os.scandir", "glob.glob"):
             check_path(event, args[0] if args and args[0] is not None else ".", False)
         elif event in write_events:
-            for a in args[:2]:
-                if isinstance(a, (str, bytes, os.PathLike)):
+            for a in args[:2]:  # paths, or modes, ids, times (int, tuple, None)
+                if not (a is None or _type(a) is _int or _type(a) is _tuple):
                     check_path(event, a, True)
-        elif event.startswith("socket.") and event not in ("socket.gethostname",):
-            _deny("network", event)
+        elif event.startswith("socket.") and event != "socket.gethostname":
+            deny("network", event)
         elif event in process_events:
-            _deny("process", event)
+            deny("process", event)
         elif event == "import":
-            if str(args[0]).split(".")[0] in DENIED_MODULES:
-                _deny("forbidden_module", f"import {args[0]}")
-        elif event.startswith(("ctypes.", "_ctypes", "mmap.", "sqlite3.", "winreg")) or (
-            event in module_events or event == "sys._debugmallocstats"
-        ):
-            _deny("forbidden_module", event)
+            name = plain(args[0]) or ""
+            if name.split(".")[0] in _denied:
+                deny("forbidden_module", f"import {name}")
+        elif event.startswith(module_prefixes) or event in module_events:
+            deny("forbidden_module", event)
 
     sys.addaudithook(hook)
 

@@ -403,12 +403,7 @@ def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int
         return Outcome(reason="output_limit", detail="report larger than the cap")
     if rc in VIOLATION_RC:  # the audit hook refused an operation and ended the process
         return Outcome(values=[None] * n_calls, reason=VIOLATION_RC[rc], detail=_violation(data))
-    report = None
-    if data:
-        try:
-            report = json.loads(data)
-        except ValueError:
-            report = None
+    report = _report(data, n_calls)
     if report is None:
         if timed_out:
             return Outcome(reason="timeout", detail="wall-clock limit")
@@ -426,6 +421,35 @@ def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int
     values: list[str | None] = [c["repr"] if c["ok"] else None for c in report["calls"]]
     values += [None] * (n_calls - len(values))
     return Outcome(values=values, reason=report.get("reason"), detail=report.get("error", ""))
+
+
+# Reasons the child itself reports (the others come from exit statuses and signals).
+CHILD_REASONS = ("syntax", "memory", "runtime_error", "no_function", "process_limit",
+                 "output_limit", "exited")  # fmt: skip
+
+
+def _report(data: bytes, n_calls: int) -> dict | None:
+    """The child's report, or None when there is none or it is not one the child could
+    have written (the program can write to the same descriptor; a forged report can
+    only claim values it could have returned, and a malformed one must not crash us)."""
+    try:
+        report = json.loads(data) if data else None
+    except ValueError:
+        return None
+    if not isinstance(report, dict):
+        return None
+    calls, reason, error = report.get("calls"), report.get("reason"), report.get("error", "")
+    if not (isinstance(calls, list) and len(calls) <= n_calls and all(map(_call_ok, calls))):
+        return None
+    if not (reason is None or reason in CHILD_REASONS) or not isinstance(error, str):
+        return None
+    return report
+
+
+def _call_ok(c) -> bool:
+    if not isinstance(c, dict):
+        return False
+    return c.get("ok") is False or (c.get("ok") is True and isinstance(c.get("repr"), str))
 
 
 def _violation(data: bytes) -> str:

@@ -231,6 +231,64 @@ def test_a_refusal_is_fatal_and_cannot_be_erased(fast_sandbox, home_secret):
     assert str(home_secret) in out[0].detail
 
 
+@pytest.mark.parametrize("as_caller", AS_CALLER, ids=lambda v: "as_caller" if v else "default")
+def test_the_hook_ignores_what_the_program_rebinds(fast_sandbox, as_caller):
+    """Rebinding the child's globals, builtins or os.path, or a path object that names
+    another file the second time it is asked, does not open a file outside."""
+    if as_caller:
+        fast_sandbox.root = False
+    markers = [Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}" for _ in range(6)]
+    inside = "__import__('os').getcwd() + '/x'"
+    rebinds = [
+        "sys.modules['__main__'].DENIED_MODULES = frozenset()",
+        "sys.modules['__main__'].VIOLATION_RC.update(forbidden_file=0)",
+        f"os.path.realpath = lambda p, *a, **k: {inside}",
+        "posixpath._joinrealpath = lambda *a: (__import__('os').getcwd(), True)",
+        "builtins.any = lambda it: True",
+        "os.fsdecode = lambda p: 'x'",
+    ]
+    head = "import builtins, os, posixpath, sys\n"
+    programs = [
+        f"{head}def f(x):\n    {r}\n    open({str(m)!r}, 'w').write('x')\n    return 2 * x"
+        for r, m in zip(rebinds, markers)
+    ]
+    switch = Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}"
+    markers.append(switch)
+    programs.append(  # outside when os.mkdir asks (first), inside when the hook does
+        f"import os\nclass P:\n    n = 0\n    def __fspath__(self):\n        P.n += 1\n"
+        f"        return {str(switch)!r} if P.n == 1 else {inside}\n"
+        "def f(x):\n    os.mkdir(P())\n    return 2 * x"
+    )
+    try:
+        out = fast_sandbox.run([Job(p, "f", [[3]]) for p in programs])
+        assert [o.reason for o in out] == ["forbidden_file"] * len(programs), out
+        assert [m.exists() for m in markers] == [False] * len(markers)
+    finally:
+        for m in markers:
+            m.rmdir() if m.is_dir() else m.unlink(missing_ok=True)
+
+
+def test_a_report_written_by_the_program_cannot_crash_or_fool_the_parent(fast_sandbox):
+    """The program can write to the results descriptor (it is fd 3) and exit: whatever
+    it writes, the parent returns an Outcome, never takes a forged reason or extra
+    values, and the job still scores by the values alone."""
+    forged = [
+        b"{}",
+        b"[1, 2]",
+        b'{"calls": 7}',
+        b'{"calls": [{"ok": true}]}',
+        b'{"calls": [1]}',
+        b'{"calls": [], "reason": "wrong_answer", "error": ""}',
+        b'{"calls": [{"ok": true, "repr": "6"}, {"ok": true, "repr": "8"}, {"ok": true, "repr": "1"}]}',
+    ]
+    jobs = [
+        Job(f"import os\ndef f(x):\n    os.write(3, {d!r})\n    os._exit(0)", "f", [[3], [4]])
+        for d in forged
+    ]
+    out = fast_sandbox.run(jobs)
+    assert [(o.reason, o.values) for o in out] == [("exited", [])] * len(forged), out
+
+
 @pytest.mark.skipif(not ROOT_LINUX, reason="slot uids are used as root on Linux only")
 def test_two_sandboxes_never_share_a_slot_uid():
     """Two trainers on one machine (two ranks): one's kill of its slot uid must not hit
