@@ -34,6 +34,7 @@ import resource
 import stat
 import sys
 import sysconfig
+import types
 
 # Exit status of a process the audit hook ended, per reason (mlx_grpo/sandbox.py maps
 # them back; keep the two in step).
@@ -120,7 +121,7 @@ def _install_hook(read_roots, write_root, results_fd):
     _lstat, _readlink, _getcwd, _islnk = os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
     _str, _bytes, _int, _tuple, _type, _repr = str, bytes, int, tuple, type, repr
     _isinstance, _reversed, _enc = isinstance, reversed, sys.getfilesystemencoding()
-    _rcs, _denied = dict(VIOLATION_RC), DENIED_MODULES
+    _rcs, _denied = types.MappingProxyType(dict(VIOLATION_RC)), DENIED_MODULES
     _write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
     devices = frozenset({"/dev/null", "/dev/urandom", "/dev/random"})
     write_roots = (write_root,)
@@ -227,9 +228,13 @@ def _install_hook(read_roots, write_root, results_fd):
         elif event in process_events:
             deny("process", event)
         elif event == "import":
-            name = plain(args[0]) or ""
-            if name.split(".")[0] in _denied:
-                deny("forbidden_module", f"import {name}")
+            # Any component, and the file: an extension module's init function is named
+            # after the last one, so `x._posixsubprocess` would load the real thing.
+            name, file = plain(args[0]) or "", plain(args[1]) if len(args) > 1 else None
+            parts = name.split(".") + ([file.split("/")[-1].split(".")[0]] if file else [])
+            for part in parts:
+                if part in _denied:
+                    deny("forbidden_module", f"import {name}")
         elif event.startswith(module_prefixes) or event in module_events:
             deny("forbidden_module", event)
 

@@ -182,10 +182,27 @@ def _escapes(marker: Path) -> dict[str, str]:
         # sqlite3 opens its database file in C, not through open().
         "sqlite3": f"import sqlite3\ndef f(x):\n    sqlite3.connect({str(marker)!r}).execute("
         "'create table t(x)')\n    return 2 * x",
+        # The same extension module loaded under another name (its init function is
+        # named after the last component).
+        "renamed": "import _imp, importlib.machinery, importlib.util, os, time\ndef f(x):\n"
+        "    so = importlib.machinery.PathFinder.find_spec('_posixsubprocess').origin\n"
+        "    m = _imp.create_dynamic(importlib.util.spec_from_file_location("
+        "'x._posixsubprocess', so))\n"
+        f"    argv = [b'/bin/sh', b'-c', b'echo x > {marker}']\n"
+        "    r, w = os.pipe()\n"
+        "    m.fork_exec(argv, [argv[0]], True, (w,), None, None, -1, -1, -1,"
+        " -1, -1, -1, r, w, True, False, 0, None, None, None, -1, None, False)\n"
+        "    time.sleep(0.5)\n    return 2 * x",
         # ctypes was imported by the child to enter the network namespace.
         "ctypes": "import sys\ndef f(x):\n    m = sys.modules.get('ctypes') or __import__('ctypes')\n"
         f"    m.CDLL(None).system(b'echo x > {marker}')\n    return 2 * x",
     }
+
+
+def _stdlib_private() -> bool:
+    """Whether the stdlib sits where other users cannot read (pyenv under /root)."""
+    path = Path(os.__file__).resolve().parent
+    return any(p.stat().st_mode & 0o005 != 0o005 for p in [path, *path.parents])
 
 
 # As root the program also runs as a slot uid that cannot import from a Python in a
@@ -197,14 +214,18 @@ AS_CALLER = [False, True] if ROOT_LINUX else [False]
 def test_modules_that_bypass_the_audit_hook_cannot_be_imported(fast_sandbox, as_caller):
     if as_caller:
         fast_sandbox.root = False
-    markers = [Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}" for _ in range(3)]
-    programs = [_escapes(m)[k] for m, k in zip(markers, ("posixsubprocess", "sqlite3", "ctypes"))]
+    kinds = ("posixsubprocess", "sqlite3", "renamed", "ctypes")
+    markers = [Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}" for _ in kinds]
+    programs = [_escapes(m)[k] for m, k in zip(markers, kinds)]
     try:
         out = code_reward.reward_batch([_task()], [[_fenced(p) for p in programs]])[0]
         time.sleep(0.3)  # a shell that escaped would have written by now
-        assert [c.get("failure") for c in out] == ["forbidden_module"] * 3, out
-        assert all(c[k] == 0.0 for c in out for k in ("passes", "partial", "compiles")), out
-        assert [m.exists() for m in markers] == [False] * 3
+        want = ["forbidden_module"] * len(kinds)
+        if ROOT_LINUX and not as_caller and _stdlib_private():
+            want[2] = "runtime_error"  # the slot uid cannot even find the extension file
+        assert [c.get("failure") for c in out] == want, out
+        assert all(c["passes"] == c["partial"] == 0.0 for c in out), out
+        assert [m.exists() for m in markers] == [False] * len(kinds)
     finally:
         for m in markers:
             m.unlink(missing_ok=True)
