@@ -51,6 +51,8 @@ DENIED_MODULES = frozenset({
     "dbm", "pty", "_testcapi", "_testinternalcapi", "_testmultiphase", "_testbuffer",
     "_testimportmultiple", "_ctypes_test", "_xxtestfuzz", "_tkinter", "readline",
 })  # fmt: skip
+# os functions that create files with no audit event: replaced by a refusal.
+UNAUDITED_FUNCTIONS = ("mkfifo", "mknod")
 
 
 # Imported before the program runs (and before dropping privileges, after which the
@@ -233,12 +235,20 @@ def _install_hook(read_roots, write_root, results_fd):
             name, file = plain(args[0]) or "", plain(args[1]) if len(args) > 1 else None
             parts = name.split(".") + ([file.split("/")[-1].split(".")[0]] if file else [])
             for part in parts:
-                if part in _denied:
+                if part in _denied or part == "posix":  # a fresh posix has mkfifo again
                     deny("forbidden_module", f"import {name}")
         elif event.startswith(module_prefixes) or event in module_events:
             deny("forbidden_module", event)
 
     sys.addaudithook(hook)
+
+    def refuse(name):
+        return lambda *args, **kwargs: deny("forbidden_file", f"os.{name}")
+
+    for name in UNAUDITED_FUNCTIONS:  # (the hook refuses a fresh copy of posix)
+        for module in (os, sys.modules["posix"]):
+            if hasattr(module, name):
+                setattr(module, name, refuse(name))
 
 
 def _short_repr(value, limit):

@@ -254,8 +254,9 @@ def test_a_refusal_is_fatal_and_cannot_be_erased(fast_sandbox, home_secret):
 
 @pytest.mark.parametrize("as_caller", AS_CALLER, ids=lambda v: "as_caller" if v else "default")
 def test_the_hook_ignores_what_the_program_rebinds(fast_sandbox, as_caller):
-    """Rebinding the child's globals, builtins or os.path, or a path object that names
-    another file the second time it is asked, does not open a file outside."""
+    """Rebinding the child's globals, builtins or os.path, os.mkfifo (unaudited), or a
+    path object that names another file the second time it is asked, does not make a
+    file outside."""
     if as_caller:
         fast_sandbox.root = False
     markers = [Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}" for _ in range(6)]
@@ -273,6 +274,9 @@ def test_the_hook_ignores_what_the_program_rebinds(fast_sandbox, as_caller):
         f"{head}def f(x):\n    {r}\n    open({str(m)!r}, 'w').write('x')\n    return 2 * x"
         for r, m in zip(rebinds, markers)
     ]
+    fifo = Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}"
+    markers.append(fifo)  # os.mkfifo raises no audit event
+    programs.append(f"import os\ndef f(x):\n    os.mkfifo({str(fifo)!r})\n    return 2 * x")
     switch = Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}"
     markers.append(switch)
     programs.append(  # outside when os.mkdir asks (first), inside when the hook does
