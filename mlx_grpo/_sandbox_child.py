@@ -17,7 +17,9 @@ directory as cwd. It reads one JSON job from stdin, then, before any untrusted c
 
 A refusal is fatal: the hook writes the violation to the results descriptor and ends
 the process with `os._exit(VIOLATION_RC[reason])`, so a program can neither catch it
-nor erase it; the parent maps the exit status back to the reason.
+nor erase it; the parent maps the exit status back to the reason. The hook uses only
+names bound when it is installed: the program can rebind this module's globals,
+builtins and os.path functions, and none of that changes what the hook decides.
 
 Then it executes the program and calls `func(*args)` for each test input. Only the
 *returned values* are sent back (as repr); the expected values never enter this process,
