@@ -367,3 +367,11 @@ def test_a_constant_answer_earns_no_partial_credit(fast_sandbox):
     assert const["partial"] == 0.0 and const["compiles"] == 1.0  # passes 3 of 6: chance
     # 5 of 6 against a constant's 3 of 6: (5/6 - 1/2) / (1/2) = 2/3.
     assert half["partial"] == pytest.approx(2 / 3) and half["passes"] == 0.0
+
+
+def test_violation_statuses_agree_between_parent_and_child():
+    from mlx_grpo import _sandbox_child as child
+    from mlx_grpo.sandbox import SANDBOX_REASONS, VIOLATION_RC
+
+    assert {rc: reason for reason, rc in child.VIOLATION_RC.items()} == VIOLATION_RC
+    assert set(VIOLATION_RC.values()) <= set(SANDBOX_REASONS)
