@@ -8,9 +8,18 @@ directory as cwd. It reads one JSON job from stdin, then, before any untrusted c
 3. (root) drops to the job's unprivileged uid/gid, so RLIMIT_NPROC applies to it,
 4. points fds 1 and 2 at out.txt in the temporary directory (user prints land there,
    capped by RLIMIT_FSIZE) and keeps a private copy of the original stdout for results,
-5. installs an audit hook (sys.addaudithook) that refuses, and records, file access
-   outside the temporary directory and the standard library, sockets, new processes,
-   signals to other processes and ctypes.
+5. removes from sys.modules every module the program may not import (ctypes, loaded
+   for step 1, and anything a preloaded module pulled in), and
+6. installs an audit hook (sys.addaudithook) that refuses file access outside the
+   temporary directory and the standard library, sockets, new processes, signals to
+   other processes, sqlite3, and imports of modules that reach the OS behind the hook's
+   back (`DENIED_MODULES`: _posixsubprocess, ctypes, sqlite3, subinterpreters...).
+
+A refusal is fatal: the hook writes the violation to the results descriptor and ends
+the process with `os._exit(VIOLATION_RC[reason])`, so a program can neither catch it
+nor erase it; the parent maps the exit status back to the reason. The hook uses only
+names bound when it is installed: the program can rebind this module's globals,
+builtins and os.path functions, and none of that changes what the hook decides.
 
 Then it executes the program and calls `func(*args)` for each test input. Only the
 *returned values* are sent back (as repr); the expected values never enter this process,
@@ -24,19 +33,28 @@ import errno
 import json
 import os
 import resource
+import stat
 import sys
 import sysconfig
+import types
 
-VIOLATIONS = []  # (reason, detail) of every refused operation, even if the program catches it
+# Exit status of a process the audit hook ended, per reason (mlx_grpo/sandbox.py maps
+# them back; keep the two in step).
+VIOLATION_RC = {"forbidden_file": 81, "network": 82, "process": 83, "forbidden_module": 84}
 
-
-class SandboxViolation(PermissionError):
-    pass
-
-
-def _deny(reason, detail):
-    VIOLATIONS.append((reason, detail))
-    raise SandboxViolation(f"sandbox: {reason}: {detail}")
+# Modules a program may not import (top-level names): each reaches processes, files or
+# the interpreter in ways the audit hook does not see (_posixsubprocess.fork_exec runs
+# a program with no audit event; sqlite3 and dbm open files in C; a subinterpreter has
+# no hook; ctypes and the _test* modules call C directly).
+DENIED_MODULES = frozenset({
+    "_posixsubprocess", "subprocess", "_sqlite3", "sqlite3", "_ctypes", "ctypes",
+    "_xxsubinterpreters", "_xxinterpchannels", "_interpreters", "_interpchannels",
+    "_interpqueues", "_multiprocessing", "multiprocessing", "_posixshmem", "_dbm", "_gdbm",
+    "dbm", "pty", "_testcapi", "_testinternalcapi", "_testmultiphase", "_testbuffer",
+    "_testimportmultiple", "_ctypes_test", "_xxtestfuzz", "_tkinter", "readline",
+})  # fmt: skip
+# os functions that create files with no audit event: replaced by a refusal.
+UNAUDITED_FUNCTIONS = ("mkfifo", "mknod")
 
 
 # Imported before the program runs (and before dropping privileges, after which the
@@ -60,6 +78,9 @@ def _confine(job):
         if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
             os.write(2, b"sandbox: unshare(CLONE_NEWNET) failed\n")
             os._exit(97)
+        del libc, ctypes
+    for name in [m for m in sys.modules if m.split(".")[0] in DENIED_MODULES]:
+        del sys.modules[name]  # else `import ctypes` finds it there, with no audit event
     lim = job["limits"]
     _limit(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)
     _limit(resource.RLIMIT_FSIZE, lim["output_bytes"])
@@ -96,57 +117,140 @@ def _allowed_roots(tmp):
     return tuple(roots), os.path.realpath(tmp)
 
 
-def _install_hook(read_roots, write_root):
-    devices = {"/dev/null", "/dev/urandom", "/dev/random"}
+def _install_hook(read_roots, write_root, results_fd):
+    # Everything the hook uses is bound here, in its closure: the program can rebind
+    # module globals (this module's included), builtins and os/posixpath functions, but
+    # not these names, C functions, or the methods of exact str and bytes.
+    _exit, _write, _dumps = os._exit, os.write, json.dumps
+    _lstat, _readlink, _getcwd, _islnk = os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
+    _str, _bytes, _int, _tuple, _type, _repr = str, bytes, int, tuple, type, repr
+    _isinstance, _reversed, _enc = isinstance, reversed, sys.getfilesystemencoding()
+    _rcs, _denied = types.MappingProxyType(dict(VIOLATION_RC)), DENIED_MODULES
+    _write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    devices = frozenset({"/dev/null", "/dev/urandom", "/dev/random"})
+    write_roots = (write_root,)
+
+    def deny(reason, detail):
+        """Report the violation and end the process: nothing can catch or undo it."""
+        try:
+            _write(results_fd, b"\n" + _dumps({"violation": [reason, detail]}).encode() + b"\n")
+        finally:
+            _exit(_rcs[reason])
+
+    def plain(text):
+        """An exact str from a str or bytes (subclasses included: join copies the raw
+        data, never calling their methods); None for anything else."""
+        if _isinstance(text, _str):
+            return "".join((text,))
+        if _isinstance(text, _bytes):
+            return b"".join((text,)).decode(_enc, "surrogateescape")
+        return None
+
+    def realpath(path):
+        """os.path.realpath with the bound functions only (posixpath's are rebindable)."""
+        todo = [*_reversed((path if path.startswith("/") else _getcwd() + "/" + path).split("/"))]
+        resolved, links = "", 0
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                resolved = resolved[: resolved.rfind("/")] if resolved else ""
+                continue
+            cand = resolved + "/" + name
+            try:
+                st = _lstat(cand)
+            except OSError:
+                resolved = cand  # does not exist (yet): kept as written
+                continue
+            if not _islnk(st.st_mode):
+                resolved = cand
+                continue
+            links += 1
+            if links > 40:
+                deny("forbidden_file", f"symlink loop at {cand}")
+            target = _readlink(cand)
+            if target.startswith("/"):
+                resolved = ""
+            todo += [*_reversed(target.split("/"))]
+        return resolved or "/"
 
     def inside(path, roots):
-        return any(path == r or path.startswith(r + os.sep) for r in roots)
+        for r in roots:
+            if path == r or path.startswith(r + "/"):
+                return True
+        return False
 
     def check_path(event, path, write):
-        if isinstance(path, int):
+        if _type(path) is _int:
             return  # an already-open descriptor
+        text = plain(path)
+        if text is None:  # a path object: its __fspath__ could answer differently to open()
+            deny("forbidden_file", f"{event}: a path must be str or bytes, not {_type(path)}")
         try:
-            real = os.path.realpath(os.fsdecode(path))
+            real = realpath(text)
         except Exception:
-            _deny("forbidden_file", repr(path))
+            deny("forbidden_file", f"{event} {_repr(text)}")
         if real in devices:
             return
-        if not inside(real, (write_root,) if write else read_roots):
-            _deny("forbidden_file", f"{event} {real}")
+        if not inside(real, write_roots if write else read_roots):
+            deny("forbidden_file", f"{event} {real}")
 
-    write_events = {
+    write_events = frozenset({
         "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
         "os.chmod", "os.chown", "os.truncate", "os.utime", "os.chflags", "os.lchflags",
         "os.setxattr", "os.removexattr", "shutil.rmtree",
-    }  # fmt: skip
-    process_events = {
+    })  # fmt: skip
+    process_events = frozenset({
         "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
         "os.startfile", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
         "signal.pthread_kill", "os.setuid", "os.setgid", "resource.setrlimit", "os.chdir",
-        "os.chroot", "os.fchdir",
-    }  # fmt: skip
+        "os.chroot", "os.fchdir", "resource.prlimit",
+    })  # fmt: skip
+    # The gc walks reach any live object, a module deleted from sys.modules included.
+    module_events = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                               "sys._debugmallocstats"})  # fmt: skip
+    module_prefixes = ("ctypes.", "_ctypes", "mmap.", "sqlite3.", "winreg")
 
     def hook(event, args):
         if event == "open":
             path, mode, flags = args
-            write = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-                bool(flags) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-            )
-            check_path(event, path, bool(write))
+            mode, write = plain(mode) or "", False
+            for c in "wax+":
+                write = write or c in mode
+            if _type(flags) is _int and flags & _write_flags:
+                write = True
+            check_path(event, path, write)
         elif event in ("os.listdir", "os.scandir", "glob.glob"):
             check_path(event, args[0] if args and args[0] is not None else ".", False)
         elif event in write_events:
-            for a in args[:2]:
-                if isinstance(a, (str, bytes, os.PathLike)):
+            for a in args[:2]:  # paths, or modes, ids, times (int, tuple, None)
+                if not (a is None or _type(a) is _int or _type(a) is _tuple):
                     check_path(event, a, True)
-        elif event.startswith("socket.") and event not in ("socket.gethostname",):
-            _deny("network", event)
+        elif event.startswith("socket.") and event != "socket.gethostname":
+            deny("network", event)
         elif event in process_events:
-            _deny("process", event)
-        elif event.startswith(("ctypes.", "_ctypes", "mmap.", "winreg", "sys._debugmallocstats")):
-            _deny("forbidden_module", event)
+            deny("process", event)
+        elif event == "import":
+            # Any component, and the file: an extension module's init function is named
+            # after the last one, so `x._posixsubprocess` would load the real thing.
+            name, file = plain(args[0]) or "", plain(args[1]) if len(args) > 1 else None
+            parts = name.split(".") + ([file.split("/")[-1].split(".")[0]] if file else [])
+            for part in parts:
+                if part in _denied or part == "posix":  # a fresh posix has mkfifo again
+                    deny("forbidden_module", f"import {name}")
+        elif event.startswith(module_prefixes) or event in module_events:
+            deny("forbidden_module", event)
 
     sys.addaudithook(hook)
+
+    def refuse(name):
+        return lambda *args, **kwargs: deny("forbidden_file", f"os.{name}")
+
+    for name in UNAUDITED_FUNCTIONS:  # (the hook refuses a fresh copy of posix)
+        for module in (os, sys.modules["posix"]):
+            if hasattr(module, name):
+                setattr(module, name, refuse(name))
 
 
 def _short_repr(value, limit):
@@ -158,8 +262,6 @@ def _short_repr(value, limit):
 
 
 def _error_reason(e):
-    if isinstance(e, SandboxViolation) or VIOLATIONS:
-        return VIOLATIONS[0][0] if VIOLATIONS else "forbidden"
     if isinstance(e, MemoryError):
         return "memory"
     if isinstance(e, OSError) and e.errno == errno.EAGAIN:  # fork refused by RLIMIT_NPROC
@@ -186,13 +288,12 @@ def main():
     os.set_inheritable(results_fd, False)
     limit = job["limits"]["repr_chars"]
     if job.get("audit", True):
-        _install_hook(read_roots, write_root)
-    report = {"stage": "compile", "calls": [], "violations": VIOLATIONS}
+        _install_hook(read_roots, write_root, results_fd)
+    report = {"stage": "compile", "calls": []}
 
     def send():
         if os.getpid() != my_pid:  # a forked child of the program: never reports
             os._exit(1)
-        report["violations"] = [list(v) for v in VIOLATIONS[:5]]
         data = json.dumps(report).encode()
         view = memoryview(data)
         while view:
@@ -230,9 +331,6 @@ def main():
                 report["reason"] = reason
                 report["error"] = f"{type(e).__name__}: {_short_repr(e, 200)}"
                 send()
-        if VIOLATIONS:  # a refused operation the program caught itself
-            report["reason"] = VIOLATIONS[0][0]
-            send()
     report["stage"] = "done"
     send()
 

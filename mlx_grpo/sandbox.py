@@ -9,24 +9,26 @@ What holds, by layer (each job):
 
 | layer | Linux, as root | Linux, not root | macOS |
 | --- | --- | --- | --- |
-| separate process, fresh temp dir as cwd, HOME/TMPDIR inside it, `python -I -S` (no site-packages, no PYTHONPATH, no cwd import), empty environment | yes | yes | yes |
+| separate process, fresh temp dir as cwd, `python -I -S` (no site-packages, no PYTHONPATH, no cwd import), environment of only HOME and TMPDIR (the temp dir), PATH=/usr/bin:/bin, LANG=C.UTF-8 | yes | yes | yes |
 | wall-clock limit (process group killed) | yes | yes | yes |
 | RLIMIT_CPU, RLIMIT_FSIZE (output cap), RLIMIT_NOFILE, RLIMIT_CORE=0 | yes | yes | yes |
 | RLIMIT_AS (memory) | yes | yes | not enforced by macOS; a failed allocation is still reported as `memory` |
-| unprivileged uid per worker slot (60000+slot), so RLIMIT_NPROC bounds a fork bomb, other users' files follow normal permissions, and every process of that uid is killed after the job | yes | runs as you: RLIMIT_NPROC is set to your current process count + `nproc` | same as Linux, not root |
+| unprivileged uid per worker slot (60000.., each locked to one Sandbox: `_claim_uids`), so RLIMIT_NPROC bounds a fork bomb, other users' files follow normal permissions, and every process of that uid is killed after the job | yes | runs as you: RLIMIT_NPROC is set to your current process count + `nproc` | same as Linux, not root |
 | empty network namespace (unshare CLONE_NEWNET): no interface but a down loopback | yes (unless a container withholds CAP_SYS_ADMIN: probed once) | no | no |
-| audit hook (PEP 578) in the child: refuses and records file access outside the temp dir and the stdlib, sockets, fork/exec/subprocess, signals, chdir, ctypes | yes | yes | yes |
+| audit hook (PEP 578) in the child: refuses file access outside the temp dir and the stdlib, sockets, fork/exec/subprocess, signals, chdir, ctypes, sqlite3, and importing modules that act unseen by it (`DENIED_MODULES`); a refusal ends the process | yes | yes | yes |
 
-The audit hook is defence in depth, not a boundary: C code reached some other way
-could bypass it, so the OS layers above are what bound time, memory, processes, output
-and (as root on Linux) the network. Without root on Linux, and on macOS, there is no
-kernel-level network or file isolation: only the audit hook stands there. A cgroup or a
-container gives more, and is the right tool for code from people rather than a 135M model.
+The audit hook is a best-effort layer, not a security boundary: it is Python in the
+program's own interpreter, and a way around it gets whatever the OS allows. The OS
+layers above are what bound time, memory, processes, output and (as root on Linux) the
+network and the files. Without root on Linux, and on macOS, the program runs as you and
+the hook is the only guard for your files and the network. A cgroup or a container
+gives more, and is the right tool for code from people rather than a 135M model.
 """
 
 from __future__ import annotations
 
 import ast
+import fcntl
 import json
 import os
 import selectors
@@ -37,12 +39,17 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 CHILD = Path(__file__).with_name("_sandbox_child.py")
 SLOT_UID_BASE = 60000  # uids (and gids) 60000.. are used for sandbox slots when root
+SLOT_UID_COUNT = 4096  # how far past the base a Sandbox looks for free uids
+SLOT_LOCK = "/tmp/mlx-grpo-slot-{uid}.lock"  # flock'ed while a Sandbox holds that uid
+# Exit status of a child the audit hook ended, per reason (_sandbox_child.VIOLATION_RC).
+VIOLATION_RC = {81: "forbidden_file", 82: "network", 83: "process", 84: "forbidden_module"}
 
 
 @dataclass(frozen=True)
@@ -148,9 +155,48 @@ def _user_process_count() -> int:
     return max(1, len(out.splitlines()))
 
 
+def _claim_uids(n: int) -> tuple[list[int], list[int]]:
+    """Claim `n` slot uids no other Sandbox on this machine holds: an exclusive flock on
+    SLOT_LOCK per uid, held until the returned descriptors are closed (or the process
+    ends). Returns (uids, lock fds)."""
+    uids: list[int] = []
+    fds: list[int] = []
+    for uid in range(SLOT_UID_BASE, SLOT_UID_BASE + SLOT_UID_COUNT):
+        if len(uids) == n:
+            break
+        path = SLOT_LOCK.format(uid=uid)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by another Sandbox, here or in another process
+            os.close(fd)
+            continue
+        uids.append(uid)
+        fds.append(fd)
+    if len(uids) < n:
+        _release(fds)
+        raise RuntimeError(
+            f"sandbox: only {len(uids)} of {n} slot uids free in {SLOT_UID_BASE}.."
+            f"{SLOT_UID_BASE + SLOT_UID_COUNT - 1} (locks {SLOT_LOCK.format(uid='*')})"
+        )
+    return uids, fds
+
+
+def _release(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())  # closing the descriptor drops its flock
+
+
 class Sandbox:
     """A pool of `workers` slots running jobs under `limits`; `audit=False` drops the
-    in-process audit hook (for tests that prove the OS layers hold on their own)."""
+    in-process audit hook (for tests that prove the OS layers hold on their own).
+
+    As root on Linux each slot runs as its own uid, claimed for this Sandbox alone
+    (`uids`) so that killing every process of a slot's uid after a job cannot hit
+    another Sandbox's program; `close()` (or garbage collection) gives them back."""
 
     def __init__(self, limits: Limits = Limits(), workers: int | None = None, audit: bool = True):
         self.limits = limits
@@ -158,8 +204,23 @@ class Sandbox:
         self.audit = audit
         self.root = _root_linux()
         self.netns = network_namespace_available()
+        self.uids: list[int] | None = None
+        self._lock_fds: list[int] = []
+        if self.root:
+            self.uids, self._lock_fds = _claim_uids(self.workers)
+        self._finalizer = weakref.finalize(self, _release, self._lock_fds)
         self._slots = list(range(self.workers))
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Give the slot uids back (no-op when not root, or already closed)."""
+        self._finalizer()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run(self, jobs: list[Job]) -> list[Outcome]:
         """One Outcome per job, in order; jobs run `workers` at a time."""
@@ -181,7 +242,9 @@ class Sandbox:
         lim = self.limits
         tic = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix="mlx-grpo-sandbox-")
-        uid = SLOT_UID_BASE + slot if self.root else None
+        if self.root and not self._finalizer.alive:
+            raise RuntimeError("sandbox: run on a closed Sandbox")
+        uid = self.uids[slot] if self.root else None
         proc = None
         try:
             if uid is not None:
@@ -338,12 +401,9 @@ def _uid_alive(uid: int) -> bool:
 def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int) -> Outcome:
     if overflow:
         return Outcome(reason="output_limit", detail="report larger than the cap")
-    report = None
-    if data:
-        try:
-            report = json.loads(data)
-        except ValueError:
-            report = None
+    if rc in VIOLATION_RC:  # the audit hook refused an operation and ended the process
+        return Outcome(values=[None] * n_calls, reason=VIOLATION_RC[rc], detail=_violation(data))
+    report = _report(data, n_calls)
     if report is None:
         if timed_out:
             return Outcome(reason="timeout", detail="wall-clock limit")
@@ -360,12 +420,46 @@ def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int
         return Outcome(reason="exited", detail=f"exit status {rc} before reporting")
     values: list[str | None] = [c["repr"] if c["ok"] else None for c in report["calls"]]
     values += [None] * (n_calls - len(values))
-    reason = report.get("reason")
-    detail = report.get("error", "")
-    if report.get("violations"):
-        reason = report["violations"][0][0]
-        detail = report["violations"][0][1]
-    return Outcome(values=values, reason=reason, detail=detail)
+    return Outcome(values=values, reason=report.get("reason"), detail=report.get("error", ""))
+
+
+# Reasons the child itself reports (the others come from exit statuses and signals).
+CHILD_REASONS = ("syntax", "memory", "runtime_error", "no_function", "process_limit",
+                 "output_limit", "exited")  # fmt: skip
+
+
+def _report(data: bytes, n_calls: int) -> dict | None:
+    """The child's report, or None when there is none or it is not one the child could
+    have written (the program can write to the same descriptor; a forged report can
+    only claim values it could have returned, and a malformed one must not crash us)."""
+    try:
+        report = json.loads(data) if data else None
+    except ValueError:
+        return None
+    if not isinstance(report, dict):
+        return None
+    calls, reason, error = report.get("calls"), report.get("reason"), report.get("error", "")
+    if not (isinstance(calls, list) and len(calls) <= n_calls and all(map(_call_ok, calls))):
+        return None
+    if not (reason is None or reason in CHILD_REASONS) or not isinstance(error, str):
+        return None
+    return report
+
+
+def _call_ok(c) -> bool:
+    if not isinstance(c, dict):
+        return False
+    return c.get("ok") is False or (c.get("ok") is True and isinstance(c.get("repr"), str))
+
+
+def _violation(data: bytes) -> str:
+    """The hook's record of a violation (the last line it wrote), or "" if unreadable:
+    the program may have written to the same descriptor before."""
+    try:
+        reason, detail = json.loads(data.rstrip(b"\n").rsplit(b"\n", 1)[-1])["violation"]
+        return str(detail)[:500]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return ""
 
 
 def same_value(got: str | None, expected) -> bool:

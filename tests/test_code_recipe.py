@@ -12,7 +12,7 @@ import rewards.code as code_reward
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import build_config
 from mlx_grpo.recipe import Recipe, recipe_defaults
-from mlx_grpo.sandbox import Limits, Sandbox
+from mlx_grpo.sandbox import Limits, Sandbox, same_value
 from recipes.code import families
 
 HOSTILE = Path(__file__).parent / "data" / "hostile_code"
@@ -107,15 +107,37 @@ def test_hand_written_solutions_pass_and_wrong_ones_do_not(recipe, fast_sandbox)
 
 
 def test_every_family_reference_handles_its_inputs():
+    """Inputs and expected values cross JSON (to the sandboxed process, into task files)
+    unchanged, and the reference's own return value scores as right against them."""
     import random
 
+    n = 0
     for fams in families.LEVELS.values():
         for fam in fams:
             for i in range(20):
                 spec = fam(random.Random(i))
                 rng = random.Random(i)
                 for _ in range(5):
-                    json.dumps(spec.reference(*spec.inputs(rng)))  # JSON-able expected values
+                    args = spec.inputs(rng)
+                    sent = json.loads(json.dumps(args))
+                    assert sent == args and _types(sent) == _types(args), (spec.key, args)
+                    value = spec.reference(*args)
+                    expected = json.loads(json.dumps(value))
+                    assert expected == value and _types(expected) == _types(value), spec.key
+                    assert spec.reference(*sent) == value, spec.key
+                    assert same_value(repr(value), expected), (spec.key, value)
+                    assert not same_value(repr([value]), expected), spec.key
+                    n += 1
+    assert n == 5 * 20 * sum(len(f) for f in families.LEVELS.values())
+
+
+def _types(x):
+    """The structure of a value's types (JSON turns tuples into lists, keys into str)."""
+    if isinstance(x, (list, tuple)):
+        return (type(x), [_types(v) for v in x])
+    if isinstance(x, dict):
+        return (dict, {k: _types(v) for k, v in x.items()}, [type(k) for k in x])
+    return type(x)
 
 
 def test_extraction_and_format():

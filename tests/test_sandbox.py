@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def test_os_limits_hold_without_the_audit_hook(tmp_path):
     memory = "memory" if sys.platform != "darwin" else reasons[1]  # macOS ignores RLIMIT_AS
     assert reasons[1:] == [memory, "cpu_time", "output_limit"]
     if ROOT_LINUX:  # nothing of the slot uids is left running (zombies wait for init)
-        assert [uid_processes(SLOT_UID_BASE + i) for i in range(sb.workers)] == [[], []]
+        assert [uid_processes(uid) for uid in sb.uids] == [[], []]
 
 
 @pytest.mark.skipif(
@@ -165,6 +166,172 @@ def test_network_namespace_and_uid_hold_without_the_audit_hook(home_secret):
         assert out[1].values == [None]  # the home folder is not readable by the slot uid
     assert int(out[2].values[0]) >= SLOT_UID_BASE
     assert isolation_summary()["network_namespace"] and isolation_summary()["separate_uid"]
+
+
+def _escapes(marker: Path) -> dict[str, str]:
+    """Pure-Python ways around the audit hook's event checks, each writing `marker`."""
+    return {
+        # _posixsubprocess.fork_exec runs a program without any audit event; with
+        # call_setsid it also leaves the process group that the wall-clock kill targets.
+        "posixsubprocess": "import _posixsubprocess, os, time\ndef f(x):\n"
+        f"    argv = [b'/bin/sh', b'-c', b'echo x > {marker}']\n"
+        "    r, w = os.pipe()\n"
+        "    _posixsubprocess.fork_exec(argv, [argv[0]], True, (w,), None, None, -1, -1, -1,"
+        " -1, -1, -1, r, w, True, False, 0, None, None, None, -1, None, False)\n"
+        "    time.sleep(0.5)\n    return 2 * x",
+        # sqlite3 opens its database file in C, not through open().
+        "sqlite3": f"import sqlite3\ndef f(x):\n    sqlite3.connect({str(marker)!r}).execute("
+        "'create table t(x)')\n    return 2 * x",
+        # The same extension module loaded under another name (its init function is
+        # named after the last component).
+        "renamed": "import _imp, importlib.machinery, importlib.util, os, time\ndef f(x):\n"
+        "    so = importlib.machinery.PathFinder.find_spec('_posixsubprocess').origin\n"
+        "    m = _imp.create_dynamic(importlib.util.spec_from_file_location("
+        "'x._posixsubprocess', so))\n"
+        f"    argv = [b'/bin/sh', b'-c', b'echo x > {marker}']\n"
+        "    r, w = os.pipe()\n"
+        "    m.fork_exec(argv, [argv[0]], True, (w,), None, None, -1, -1, -1,"
+        " -1, -1, -1, r, w, True, False, 0, None, None, None, -1, None, False)\n"
+        "    time.sleep(0.5)\n    return 2 * x",
+        # ctypes was imported by the child to enter the network namespace.
+        "ctypes": "import sys\ndef f(x):\n    m = sys.modules.get('ctypes') or __import__('ctypes')\n"
+        f"    m.CDLL(None).system(b'echo x > {marker}')\n    return 2 * x",
+    }
+
+
+def _stdlib_private() -> bool:
+    """Whether the stdlib sits where other users cannot read (pyenv under /root)."""
+    path = Path(os.__file__).resolve().parent
+    return any(p.stat().st_mode & 0o005 != 0o005 for p in [path, *path.parents])
+
+
+# As root the program also runs as a slot uid that cannot import from a Python in a
+# private home; `root=False` runs it as the caller, as on a machine without root.
+AS_CALLER = [False, True] if ROOT_LINUX else [False]
+
+
+@pytest.mark.parametrize("as_caller", AS_CALLER, ids=lambda v: "as_caller" if v else "default")
+def test_modules_that_bypass_the_audit_hook_cannot_be_imported(fast_sandbox, as_caller):
+    if as_caller:
+        fast_sandbox.root = False
+    kinds = ("posixsubprocess", "sqlite3", "renamed", "ctypes")
+    markers = [Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}" for _ in kinds]
+    programs = [_escapes(m)[k] for m, k in zip(markers, kinds)]
+    try:
+        out = code_reward.reward_batch([_task()], [[_fenced(p) for p in programs]])[0]
+        time.sleep(0.3)  # a shell that escaped would have written by now
+        want = ["forbidden_module"] * len(kinds)
+        if ROOT_LINUX and not as_caller and _stdlib_private():
+            want[2] = "runtime_error"  # the slot uid cannot even find the extension file
+        assert [c.get("failure") for c in out] == want, out
+        assert all(c["passes"] == c["partial"] == 0.0 for c in out), out
+        assert [m.exists() for m in markers] == [False] * len(kinds)
+    finally:
+        for m in markers:
+            m.unlink(missing_ok=True)
+
+
+def test_a_refusal_is_fatal_and_cannot_be_erased(fast_sandbox, home_secret):
+    """Catching the refused open() and wiping the child's records does not help."""
+    erase = (
+        "import sys\ndef f(x):\n    try:\n"
+        f"        open({str(home_secret)!r}).read()\n    except Exception:\n        pass\n"
+        "    m = sys.modules['__main__']\n"
+        "    for name in ('VIOLATIONS',):\n"
+        "        getattr(m, name, []).clear()\n"
+        "    return 2 * x"
+    )
+    replace_exit = (
+        "import os\ndef f(x):\n    os._exit = lambda *a: None\n    try:\n"
+        f"        open({str(home_secret)!r}).read()\n    except BaseException:\n        pass\n"
+        "    return 2 * x"
+    )
+    sb = fast_sandbox
+    out = sb.run([Job(erase, "f", [[3], [4]]), Job(replace_exit, "f", [[3], [4]])])
+    assert [(o.reason, o.values) for o in out] == [("forbidden_file", [None, None])] * 2, out
+    assert str(home_secret) in out[0].detail
+
+
+@pytest.mark.parametrize("as_caller", AS_CALLER, ids=lambda v: "as_caller" if v else "default")
+def test_the_hook_ignores_what_the_program_rebinds(fast_sandbox, as_caller):
+    """Rebinding the child's globals, builtins or os.path, os.mkfifo (unaudited), or a
+    path object that names another file the second time it is asked, does not make a
+    file outside."""
+    if as_caller:
+        fast_sandbox.root = False
+    markers = [Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}" for _ in range(6)]
+    inside = "__import__('os').getcwd() + '/x'"
+    rebinds = [
+        "sys.modules['__main__'].DENIED_MODULES = frozenset()",
+        "sys.modules['__main__'].VIOLATION_RC.update(forbidden_file=0)",
+        f"os.path.realpath = lambda p, *a, **k: {inside}",
+        "posixpath._joinrealpath = lambda *a: (__import__('os').getcwd(), True)",
+        "builtins.any = lambda it: True",
+        "os.fsdecode = lambda p: 'x'",
+    ]
+    head = "import builtins, os, posixpath, sys\n"
+    programs = [
+        f"{head}def f(x):\n    {r}\n    open({str(m)!r}, 'w').write('x')\n    return 2 * x"
+        for r, m in zip(rebinds, markers)
+    ]
+    fifo = Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}"
+    markers.append(fifo)  # os.mkfifo raises no audit event
+    programs.append(f"import os\ndef f(x):\n    os.mkfifo({str(fifo)!r})\n    return 2 * x")
+    switch = Path("/tmp") / f"mlx-grpo-sandbox-escape-{uuid.uuid4().hex}"
+    markers.append(switch)
+    programs.append(  # outside when os.mkdir asks (first), inside when the hook does
+        f"import os\nclass P:\n    n = 0\n    def __fspath__(self):\n        P.n += 1\n"
+        f"        return {str(switch)!r} if P.n == 1 else {inside}\n"
+        "def f(x):\n    os.mkdir(P())\n    return 2 * x"
+    )
+    try:
+        out = fast_sandbox.run([Job(p, "f", [[3]]) for p in programs])
+        assert [o.reason for o in out] == ["forbidden_file"] * len(programs), out
+        assert [m.exists() for m in markers] == [False] * len(markers)
+    finally:
+        for m in markers:
+            m.rmdir() if m.is_dir() else m.unlink(missing_ok=True)
+
+
+def test_a_report_written_by_the_program_cannot_crash_or_fool_the_parent(fast_sandbox):
+    """The program can write to the results descriptor (it is fd 3) and exit: whatever
+    it writes, the parent returns an Outcome, never takes a forged reason or extra
+    values, and the job still scores by the values alone."""
+    forged = [
+        b"{}",
+        b"[1, 2]",
+        b'{"calls": 7}',
+        b'{"calls": [{"ok": true}]}',
+        b'{"calls": [1]}',
+        b'{"calls": [], "reason": "wrong_answer", "error": ""}',
+        b'{"calls": [{"ok": true, "repr": "6"}, {"ok": true, "repr": "8"}, {"ok": true, "repr": "1"}]}',
+    ]
+    jobs = [
+        Job(f"import os\ndef f(x):\n    os.write(3, {d!r})\n    os._exit(0)", "f", [[3], [4]])
+        for d in forged
+    ]
+    out = fast_sandbox.run(jobs)
+    assert [(o.reason, o.values) for o in out] == [("exited", [])] * len(forged), out
+
+
+@pytest.mark.skipif(not ROOT_LINUX, reason="slot uids are used as root on Linux only")
+def test_two_sandboxes_never_share_a_slot_uid():
+    """Two trainers on one machine (two ranks): one's kill of its slot uid must not hit
+    the other's program, so their uids are disjoint; close() gives them back."""
+    job = Job("import os\ndef f():\n    return os.getuid()", "f", [[]])
+    a, b = Sandbox(FAST, workers=2), Sandbox(FAST, workers=2)
+    try:
+        got_a = {int(o.values[0]) for o in a.run([job] * 4)}
+        got_b = {int(o.values[0]) for o in b.run([job] * 4)}
+        assert not got_a & got_b
+        assert got_a <= set(a.uids) and got_b <= set(b.uids) and not set(a.uids) & set(b.uids)
+        freed = a.uids
+        a.close()
+        with Sandbox(FAST, workers=2) as c:
+            assert set(freed) <= set(c.uids) | set(range(SLOT_UID_BASE, min(freed)))
+    finally:
+        a.close()
+        b.close()
 
 
 def test_ordinary_failures_keep_earned_components(fast_sandbox):
@@ -200,3 +367,11 @@ def test_a_constant_answer_earns_no_partial_credit(fast_sandbox):
     assert const["partial"] == 0.0 and const["compiles"] == 1.0  # passes 3 of 6: chance
     # 5 of 6 against a constant's 3 of 6: (5/6 - 1/2) / (1/2) = 2/3.
     assert half["partial"] == pytest.approx(2 / 3) and half["passes"] == 0.0
+
+
+def test_violation_statuses_agree_between_parent_and_child():
+    from mlx_grpo import _sandbox_child as child
+    from mlx_grpo.sandbox import SANDBOX_REASONS, VIOLATION_RC
+
+    assert {rc: reason for reason, rc in child.VIOLATION_RC.items()} == VIOLATION_RC
+    assert set(VIOLATION_RC.values()) <= set(SANDBOX_REASONS)
