@@ -139,7 +139,9 @@ class GRPOConfig(_Section):
 class OptimizerConfig(_Section):
     learning_rate: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warm-up from lr/(warmup_steps+1) up to the learning rate."
+    )
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global-norm gradient clipping.")
@@ -166,7 +168,9 @@ class TrainConfig(_Section):
         0, ge=0, description="Greedy held-out evaluation every N steps (and at the end); 0: off."
     )
     eval_tasks: int = Field(
-        48, ge=1, description="Held-out tasks per evaluation (the first N of the eval split)."
+        48,
+        ge=1,
+        description="Held-out tasks per evaluation (spread evenly through the eval split).",
     )
 
 
