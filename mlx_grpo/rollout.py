@@ -110,10 +110,13 @@ def top_k_candidates(logprobs: mx.array, top_k: int, top_p: float) -> tuple[mx.a
     return ids, vals
 
 
-def top_k_sampler(logprobs: mx.array, top_k: int, top_p: float, temp: float) -> mx.array:
-    """Sample at `temp` among the top-k (then top-p) tokens of [N, V] log-probs."""
+def top_k_sampler(
+    logprobs: mx.array, top_k: int, top_p: float, temp: float, key: mx.array | None = None
+) -> mx.array:
+    """Sample at `temp` among the top-k (then top-p) tokens of [N, V] log-probs (from
+    `key` when given, else the global RNG)."""
     ids, vals = top_k_candidates(logprobs, top_k, top_p)
-    pick = mx.random.categorical(vals * (1 / temp), axis=-1)
+    pick = mx.random.categorical(vals * (1 / temp), axis=-1, key=key)
     return mx.take_along_axis(ids, pick[..., None], axis=-1).squeeze(-1)
 
 
@@ -143,9 +146,7 @@ class KeyedSampler:
         pair = mx.random.split(self.key)
         self.key = pair[0]
         if self.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
-            ids, vals = top_k_candidates(logprobs, self.top_k, self.top_p)
-            pick = mx.random.categorical(vals * (1.0 / self.temp), key=pair[1])
-            return mx.take_along_axis(ids, pick[..., None], axis=-1).squeeze(-1)
+            return top_k_sampler(logprobs, self.top_k, self.top_p, self.temp, key=pair[1])
         for f in self.filters:
             logprobs = f(logprobs)
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=pair[1])
