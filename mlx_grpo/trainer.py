@@ -458,7 +458,8 @@ def _step_metrics(
     turns = [r["turns"] for r in records if r["turns"] is not None]
     if turns:
         out["episode/turns_mean"] = float(np.mean(turns))
-    for name in records[0]["components"]:
+    # Every component any completion has: a completion whose reward raised has none.
+    for name in dict.fromkeys(k for r in records for k in r["components"]):
         out[f"reward/{name}"] = float(np.mean([r["components"].get(name, 0.0) for r in records]))
     # Why completions failed, as the reward named it (sandbox limits, wrong answers...).
     for reason in sorted({r["failure"] for r in records if r["failure"]}):

@@ -21,7 +21,7 @@ from recipes.web_browsing.page import syntax_error
 def format_share(replies: list[str]) -> float:
     """Share of replies that are exactly one well-formed action.
 
-    >>> format_share(["click [3]", 'Click [3] button "Save"', " back\\n"])
+    >>> format_share(['click "Save" [3]', 'Click [3] button "Save"', " back\\n"])
     0.6666666666666666
     """
     return sum(syntax_error(r) is None for r in replies) / len(replies) if replies else 0.0

@@ -231,3 +231,32 @@ def test_no_signal_warning_names_the_likely_cause():
     assert "best reward" in _zero_signal_cause(r + 1.5, no, best=1.5)
     assert "too coarse" in _zero_signal_cause(np.repeat([0.2, 1.0], 4), no, best=1.5)
     assert "max_new_tokens" in _zero_signal_cause(r, ~no, best=1.5)
+
+
+def test_step_metrics_log_every_component_even_when_the_first_reward_raised():
+    def record(components, failure=None):
+        return {
+            "tokens": 3,
+            "truncated": False,
+            "turns": None,
+            "components": components,
+            "failure": failure,
+        }
+
+    records = [
+        record({}, "error"),
+        record({"ascii": 1.0, "short": 0.0}),
+        record({"ascii": 0.5, "short": 1.0}),
+    ]
+    out = trainer_mod._step_metrics(
+        4,
+        [{"seconds": 1.0}],
+        records,
+        np.array([0.0, 1.0, 0.5]),
+        mx.zeros(3),
+        np.array([False]),
+        [],
+        9,
+    )
+    assert out["reward/ascii"] == pytest.approx(0.5) and out["reward/short"] == pytest.approx(1 / 3)
+    assert out["fail/error"] == 1

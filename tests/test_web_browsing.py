@@ -16,7 +16,13 @@ from mlx_grpo.env import Episode, StepResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults
 from recipes.web_browsing import browser, page
 from recipes.web_browsing.families import NEEDED
-from recipes.web_browsing.page import Action, find_action, parse_action, syntax_error
+from recipes.web_browsing.page import (
+    Action,
+    element_ref,
+    find_action,
+    parse_action,
+    syntax_error,
+)
 from recipes.web_browsing.sites import site_fingerprint
 from recipes.web_browsing.tasks import LEVELS, make_env, make_tasks, reward, system_prompt
 
@@ -106,9 +112,9 @@ def test_higher_difficulties_add_distractors_and_near_labels():
 def test_clicking_a_distractor_fails(train):
     for task in of(train, "click")[:60]:
         target = parse_action(task.payload["solution"][0]).target
-        others = [el["id"] for el in task.payload["site"]["pages"]["page"]["elements"]]
-        wrong = next(i for i in others if i != target)
-        ep = play(task, [f"click [{wrong}]"])
+        others = task.payload["site"]["pages"]["page"]["elements"]
+        wrong = next(el for el in others if el["id"] != target)
+        ep = play(task, [f"click {element_ref(wrong)}"])
         r = reward(task, ep)
         assert ep.done and r["success"] == 0 and r["progress"] == 0 and r["efficiency"] == 0
         assert r["format"] == 1 and r["validity"] == 1
@@ -120,7 +126,8 @@ def test_forms_need_the_right_values_the_submit_and_no_side_effects(train):
         n = len(task.payload["conditions"])
         typed = next(i for i, a in enumerate(solution) if a.startswith("type"))
         wrong = list(solution)
-        wrong[typed] = f'type [{parse_action(solution[typed]).target}] "nobody@example.com"'
+        field = parse_action(solution[typed])
+        wrong[typed] = f'type "{field.label}" [{field.target}] "nobody@example.com"'
         r = reward(task, play(task, wrong))
         assert r["success"] == 0 and r["progress"] == pytest.approx((n - 1) / n)
         assert r["format"] == 1 and r["validity"] == 1 and r["efficiency"] == 0
@@ -133,13 +140,14 @@ def test_forms_need_the_right_values_the_submit_and_no_side_effects(train):
             env = make_env(task)
             keep = task.payload["keep"][0]
             field = env._elements["page"][keep["id"]]
+            ref = element_ref(field)
             extra = {
-                "textbox": f'type [{keep["id"]}] "changed"',
-                "combobox": f'select [{keep["id"]}] "{field.get("options", [""])[-1]}"',
-                "checkbox": f"click [{keep['id']}]",
+                "textbox": f'type {ref} "changed"',
+                "combobox": f'select {ref} "{field.get("options", [""])[-1]}"',
+                "checkbox": f"click {ref}",
             }[field["role"]]
             if field["role"] == "combobox" and field["value"] == field["options"][-1]:
-                extra = f'select [{keep["id"]}] "{field["options"][0]}"'
+                extra = f'select {ref} "{field["options"][0]}"'
             ep = play(task, [extra, *solution])
             r = reward(task, ep)
             assert ep.env.outcome().side_effects and r["progress"] == 1 and r["success"] == 0
@@ -149,11 +157,9 @@ def test_a_wrong_button_ends_a_form_task_without_success(train):
     for task in of(train, "form")[:30]:
         env = make_env(task)
         submit = parse_action(task.payload["solution"][-1]).target
-        buttons = [
-            el["id"] for el in env.site["pages"]["page"]["elements"] if el["role"] == "button"
-        ]
-        other = next(b for b in buttons if b != submit)
-        ep = play(task, [*task.payload["solution"][:-1], f"click [{other}]"])
+        buttons = [el for el in env.site["pages"]["page"]["elements"] if el["role"] == "button"]
+        other = next(b for b in buttons if b["id"] != submit)
+        ep = play(task, [*task.payload["solution"][:-1], f"click {element_ref(other)}"])
         assert ep.done and reward(task, ep)["success"] == 0
 
 
@@ -229,12 +235,19 @@ def test_invalid_actions_say_why_and_use_a_step(train):
     link = next(el for el in env.site["pages"]["home"]["elements"] if el["role"] == "link")
     cases = [
         ("press [3]", "Invalid action: unknown verb 'press'"),
-        ("click [99]", "Invalid action: there is no element [99] on this page."),
+        ('click "Save" [99]', "Invalid action: there is no element [99] on this page."),
         (
-            f'type [{button["id"]}] "x"',
-            f"type does not apply to button [{button['id']}]; use click",
+            f'type {element_ref(button)} "x"',
+            f"type does not apply to button {element_ref(button)}; use click {element_ref(button)}",
         ),
-        (f'select [{link["id"]}] "x"', f"select does not apply to link [{link['id']}]"),
+        (
+            f'select {element_ref(link)} "x"',
+            f"select does not apply to link {element_ref(link)}",
+        ),
+        (
+            f'click "Nowhere" [{button["id"]}]',
+            f'Invalid action: [{button["id"]}] is button "{button["label"]}", not "Nowhere".',
+        ),
         ("back", "Invalid action: there is no previous page."),
     ]
     for reply, reason in cases:
@@ -242,10 +255,8 @@ def test_invalid_actions_say_why_and_use_a_step(train):
         assert result.observation.startswith(reason) or reason in result.observation.splitlines()[0]
         assert result.observation.endswith("(page unchanged)")
         assert result.info["error"] and not result.info["valid"]
-    assert env.steps == len(cases) == task.payload["max_steps"] - 1
-    assert not env.done
-    last = env.step("click [99]")
-    assert last.done and "Step limit reached." in last.observation
+    assert env.steps == len(cases) == task.payload["max_steps"]
+    assert env.done and "Step limit reached." in result.observation
 
 
 def test_step_limit_ends_one_turn_tasks(train):
@@ -259,7 +270,7 @@ def test_pages_change_show_the_new_state_and_back_returns(train):
     env = make_env(task)
     env.reset()
     first = env.step(task.payload["solution"][0])
-    assert first.observation.startswith("Clicked [") and "\nPage: " in first.observation
+    assert first.observation.startswith('Clicked link "') and "\nPage: " in first.observation
     back = env.step("back")
     assert back.observation.startswith("Went back.\nPage: ") and env.page == "home"
 
@@ -270,8 +281,8 @@ def test_pages_change_show_the_new_state_and_back_returns(train):
         obs = env.step(action).observation
         assert obs.split("\n", 1)[0].startswith(("Typed", "Selected", "Checked", "Unchecked"))
         assert "\nPage: " in obs
-    typed = next(a for a in form.payload["solution"] if a.startswith("type"))
-    assert typed.split(" ", 2)[2] in env.render().replace("value=", "")
+    typed = parse_action(next(a for a in form.payload["solution"] if a.startswith("type")))
+    assert f'"{typed.text}"' in env.render().replace("value=", "")
 
 
 def test_select_matches_options_case_insensitively_and_rejects_unknown_ones(train):
@@ -279,9 +290,9 @@ def test_select_matches_options_case_insensitively_and_rejects_unknown_ones(trai
     env = make_env(task)
     env.reset()
     combo = next(el for el in env.site["pages"]["page"]["elements"] if el["role"] == "combobox")
-    result = env.step(f'select [{combo["id"]}] "{combo["options"][1].upper()}"')
+    result = env.step(f'select {element_ref(combo)} "{combo["options"][1].upper()}"')
     assert result.info["valid"] and env.values["page"][combo["id"]] == combo["options"][1]
-    result = env.step(f'select [{combo["id"]}] "Platinum"')
+    result = env.step(f'select {element_ref(combo)} "Platinum"')
     assert not result.info["valid"] and 'has no option "Platinum"' in result.observation
 
 
@@ -310,28 +321,32 @@ def test_element_ids_are_unique_small_and_not_just_in_order(train):
 
 REJECTED = [
     ("", "the reply is empty"),
-    ("Click [3]", "write the verb in lower case: click"),
+    ('Click "Save" [3]', "write the verb in lower case: click"),
     ("press [3]", "unknown verb 'press'"),
     ("[3]", "a reply starts with a verb"),
-    ("click 3", "click needs an element id in brackets: click [id]"),
-    ("click [x]", "click needs an element id in brackets"),
-    ("type [7] Paris", 'type needs a quoted text: type [id] "text"'),
-    ("type [7] \u201cParis\u201d", "use straight double quotes"),
-    ("select [9]", 'select needs a quoted option: select [id] "option"'),
+    ("click [3]", 'name the element by its quoted label before its id: click "label" [id]'),
+    ('type [7] "Paris"', "name the element by its quoted label before its id"),
+    ('click "Save" 3', "click needs the element's quoted label and its id in brackets"),
+    ('click "Save" [x]', "click needs the element's quoted label and its id in brackets"),
+    ("click Save [3]", "click needs the element's quoted label and its id in brackets"),
+    ('type "City" [7] Paris', 'type needs a quoted text: type "label" [id] "text"'),
+    ('type "City" [7] \u201cParis\u201d', "use straight double quotes"),
+    ('select "Plan" [9]', 'select needs a quoted option: select "label" [id] "option"'),
     ("stop", 'stop needs a quoted answer: stop "answer"'),
-    ("click [3] to save", "expected one action, found more text after it: 'to save'"),
-    ("click [3]\nclick [4]", "expected one action, found more text after it"),
+    ('click "Save" [3] to save', "expected one action, found more text after it: 'to save'"),
+    ('click "Save" [3]\nclick "Undo" [4]', "expected one action, found more text after it"),
     ('stop "30 days".', "expected one action, found more text after it: '.'"),
     ("back please", "expected one action"),
-    ("click[3]", "put one space between the parts: click [id]"),
-    ('type [7]  "Paris"', 'put one space between the parts: type [id] "text"'),
+    ('click "Save"[3]', 'put one space between the parts: click "label" [id]'),
+    ('type "City" [7]  "Paris"', 'put one space between the parts: type "label" [id] "text"'),
     ("backup", "unknown verb 'backup'"),
 ]
 ACCEPTED = [
-    ("click [3]", Action("click", 3)),
-    (' type [7] "Paris" \n', Action("type", 7, "Paris")),
-    ('type [7] ""', Action("type", 7, "")),
-    ('select [9] "Pro"', Action("select", 9, "Pro")),
+    ('click "Save" [3]', Action("click", 3, None, "Save")),
+    (' type "City" [7] "Paris" \n', Action("type", 7, "Paris", "City")),
+    ('type "City" [7] ""', Action("type", 7, "", "City")),
+    ('select "Plan" [9] "Pro"', Action("select", 9, "Pro", "Plan")),
+    ('click "" [3]', Action("click", 3, None, "")),
     ("back", Action("back")),
     ('stop "30 days"', Action("stop", None, "30 days")),
 ]
@@ -355,7 +370,9 @@ def test_strict_parser_accepts_exactly_one_action(reply, action):
     ("reply", "action"),
     [
         ('Click [11] button "Profile" to open the profile.', Action("click", 11)),
+        ('Click "Profile"  [11] to open the profile.', Action("click", 11, None, "Profile")),
         ("I will Type [ 7 ] \u201cParis\u201d now", Action("type", 7, "Paris")),
+        ('I will type \u201cCity\u201d [7] "Paris"', Action("type", 7, "Paris", "City")),
         ('SELECT [9] "Pro" please', Action("select", 9, "Pro")),
         ("Back to the list", Action("back")),
         ("go back, then click [4]", Action("click", 4)),
@@ -425,8 +442,8 @@ def test_prompts_are_short_and_shared_within_a_level(train):
         assert len(system_prompt(level)) < 600  # ~150 tokens
         for t in tasks:
             assert len(make_env(t).reset()) < 700  # ~200 tokens
-    assert "type [id]" not in system_prompt(1) and "stop" not in system_prompt(1)
-    assert 'stop "answer"' in system_prompt(2) and "type [id]" in system_prompt(3)
+    assert "type " not in system_prompt(1) and "stop" not in system_prompt(1)
+    assert 'stop "answer"' in system_prompt(2) and 'type "label" [id]' in system_prompt(3)
 
 
 def test_worked_examples_show_well_formed_replies_for_the_family_s_actions(train):

@@ -3,8 +3,8 @@
 `WebEnv` shows the goal and the start page, then applies one reply per step. The reply's
 action is the strict parse when the reply is well formed and otherwise the first action
 found in it (page.py); a reply with no action at all is an invalid action that still uses
-a step. Each observation starts with one line saying what happened ("Clicked [4] link
-"Billing"." / "Invalid action: ...") followed by the new page, or "(page unchanged)".
+a step. Each observation starts with one line saying what happened ("Clicked link
+"Billing" [4]." / "Invalid action: ...") followed by the new page, or "(page unchanged)".
 
 The episode ends when a button that does not open a page is pressed (it acts: submit a
 form, delete a project...), on `stop "answer"` (allowed on any task; on a task that is
@@ -13,7 +13,8 @@ have a limit of one step.
 
 `info` of each step: `format` (the reply is exactly one well-formed action), `syntax`
 (why not, or None), `action` (what was executed, canonical, or None), `valid` (the action
-hit an existing element of the right kind; None when nothing was executed) and `error`
+hit an existing element of the right kind, under its own label when the reply gave one;
+None when nothing was executed) and `error`
 (why the turn did nothing: no action found, or an invalid one; None otherwise).
 """
 
@@ -26,6 +27,7 @@ from mlx_grpo.env import StepResult
 from recipes.web_browsing.page import (
     Action,
     ActionSyntaxError,
+    element_ref,
     find_action,
     parse_action,
     render_element,
@@ -33,11 +35,11 @@ from recipes.web_browsing.page import (
 )
 
 _HINT = {
-    "textbox": 'use type [{id}] "text"',
-    "combobox": 'use select [{id}] "option"',
-    "checkbox": "use click [{id}]",
-    "button": "use click [{id}]",
-    "link": "use click [{id}]",
+    "textbox": 'use type {ref} "text"',
+    "combobox": 'use select {ref} "option"',
+    "checkbox": "use click {ref}",
+    "button": "use click {ref}",
+    "link": "use click {ref}",
     "row": "it is only text",
 }
 _APPLIES_TO = {
@@ -163,24 +165,26 @@ class WebEnv:
         el = self._elements[self.page].get(action.target)
         if el is None:
             raise InvalidAction(f"there is no element [{action.target}] on this page")
-        role, eid, label = el["role"], el["id"], el["label"]
+        role, eid, label, ref = el["role"], el["id"], el["label"], element_ref(el)
+        if action.label is not None and action.label.strip().casefold() != label.casefold():
+            raise InvalidAction(f'[{eid}] is {role} "{label}", not "{action.label}"')
         if role not in _APPLIES_TO[action.verb]:
-            hint = _HINT[role].format(id=eid)
-            raise InvalidAction(f"{action.verb} does not apply to {role} [{eid}]; {hint}")
+            hint = _HINT[role].format(ref=ref)
+            raise InvalidAction(f"{action.verb} does not apply to {role} {ref}; {hint}")
         values = self.values[self.page]
         if action.verb == "type":
             values[eid] = action.text
-            return f'Typed "{action.text}" into [{eid}] "{label}".', True
+            return f'Typed "{action.text}" into {ref}.', True
         if action.verb == "select":
             wanted = action.text.strip().casefold()
             option = next((o for o in el["options"] if o.casefold() == wanted), None)
             if option is None:
-                raise InvalidAction(f'[{eid}] "{label}" has no option "{action.text}"')
+                raise InvalidAction(f'{ref} has no option "{action.text}"')
             values[eid] = option
-            return f'Selected "{option}" in [{eid}] "{label}".', True
+            return f'Selected "{option}" in {ref}.', True
         if role == "checkbox":
             values[eid] = not values[eid]
-            return f'{"Checked" if values[eid] else "Unchecked"} [{eid}] "{label}".', True
+            return f"{'Checked' if values[eid] else 'Unchecked'} {ref}.", True
         shown = render_element(el)
         if "to" in el:
             self.history.append(self.page)

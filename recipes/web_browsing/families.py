@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from recipes.web_browsing.page import element_ref
 from recipes.web_browsing.sites import (
     CLICK_TITLES,
     FACT_TOPICS,
@@ -116,9 +117,9 @@ def path_to(site: dict, target: str) -> list[tuple[str, dict]]:
 def fill_action(el: dict, value: str | bool) -> str:
     """The canonical action that gives field `el` the value `value`."""
     if el["role"] == "checkbox":
-        return f"click [{el['id']}]"
+        return f"click {element_ref(el)}"
     verb = "type" if el["role"] == "textbox" else "select"
-    return f'{verb} [{el["id"]}] "{value}"'
+    return f'{verb} {element_ref(el)} "{value}"'
 
 
 def change_words(el: dict, value: str | bool, plain: bool) -> str:
@@ -159,7 +160,7 @@ def form_goal(
         conditions.append(set_value(key, el, value))
         steps.append(fill_action(el, value))
     conditions.append(press(key, submit))
-    steps.append(f"click [{submit['id']}]")
+    steps.append(f"click {element_ref(submit)}")
     ending = "then save" if plain else f'then click "{submit["label"]}"'
     goal = ", ".join([*words, ending]) + "."
     fields = [el for el in page["elements"] if "value" in el and el not in targets]
@@ -182,7 +183,7 @@ def click_task(rng: random.Random, brand: str, difficulty: int) -> TaskSpec:
         goal = f'Click "{el["label"]}".'
     else:
         goal = capitalised(synonym_goal(rng, *target) + ".")
-    return TaskSpec(b.site("page"), goal, [press("page", el)], [f"click [{el['id']}]"])
+    return TaskSpec(b.site("page"), goal, [press("page", el)], [f"click {element_ref(el)}"])
 
 
 def form_task(rng: random.Random, brand: str, difficulty: int) -> TaskSpec:
@@ -237,7 +238,7 @@ def fact_task(rng: random.Random, brand: str, difficulty: int) -> TaskSpec:
     path = path_to(site, fact.page)
     goal = f"Answer the question: {fact.question}"
     conditions = [visit(el["to"]) for _, el in path] + [answer(fact)]
-    solution = [f"click [{el['id']}]" for _, el in path] + [f'stop "{fact.value}"']
+    solution = [f"click {element_ref(el)}" for _, el in path] + [f'stop "{fact.value}"']
     return TaskSpec(site, goal, conditions, solution)
 
 
@@ -252,7 +253,7 @@ def nav_task(rng: random.Random, brand: str, difficulty: int) -> TaskSpec:
         path = path_to(site, key)
         goal = f'Go to "{b.pages[key]["title"]}" and click "{el["label"]}".'
         conditions = [visit(p["to"]) for _, p in path] + [press(key, el)]
-        solution = [f"click [{p['id']}]" for _, p in path] + [f"click [{el['id']}]"]
+        solution = [f"click {element_ref(p)}" for _, p in path] + [f"click {element_ref(el)}"]
         return TaskSpec(site, goal, conditions, solution)
     key = rng.choice(sorted(k for k, p in b.pages.items() if p["kind"] == "form"))
     page = b.pages[key]
@@ -270,7 +271,7 @@ def nav_task(rng: random.Random, brand: str, difficulty: int) -> TaskSpec:
     else:
         goal = capitalised(change)
     conditions = [visit(el["to"]) for _, el in path] + conditions
-    solution = [f"click [{el['id']}]" for _, el in path] + steps
+    solution = [f"click {element_ref(el)}" for _, el in path] + steps
     return TaskSpec(site, goal, conditions, solution, keep)
 
 

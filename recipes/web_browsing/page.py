@@ -1,28 +1,35 @@
 """What the model reads and writes on the simulated web: pages and actions.
 
-A page is shown as a compact accessibility tree, one element per line:
+A page is shown as a compact accessibility tree, one element per line: role, label,
+element id, then the value or options of a field:
 
     Page: Pine Cloud > Settings > Profile
-    [12] textbox "Email" value="ana@pine.io"
-    [7] combobox "Plan" value="Free" options=["Free","Pro","Team"]
-    [5] checkbox "Email alerts" checked=false
-    [3] link "Billing"
-    [9] button "Save changes"
-    [20] row "INV-1043 | Mar 2 | $120 | Paid"
+    textbox "Email" [12] value="ana@pine.io"
+    combobox "Plan" [7] value="Free" options=["Free","Pro","Team"]
+    checkbox "Email alerts" [5] checked=false
+    link "Billing" [3]
+    button "Save changes" [9]
+    row "INV-1043 | Mar 2 | $120 | Paid" [20]
     text "Logs are kept for 30 days."
 
 A reply is one action, exactly one of
 
-    click [id]    type [id] "text"    select [id] "option"    back    stop "answer"
+    click "label" [id]    type "label" [id] "text"    select "label" [id] "option"
+    back                  stop "answer"
+
+An element is named the way the page shows it, its quoted label then its id: the id
+decides which element is acted on, and a label that is not that element's makes the
+action invalid. Writing the label first is what lets a small model find the id: it copies
+the label from the goal, and the id is what follows that label on the page.
 
 Two parsers read a reply. `parse_action` is strict: the whole reply (surrounding
 whitespace aside) must be one well-formed action, and when it is not, the error says
 why; the `format` reward component scores this. `find_action` is lenient: the first
-action found anywhere in the reply, case-insensitively, with curly quotes allowed;
-this is the action the environment executes, so that a reply in the embedded model's
-own style (`Click [11] button "Profile" to open it.`) still acts and `success` has
-signal before the format is learned. Leniently, `back` counts only as the reply's first
-word, since the word is common in prose.
+action found anywhere in the reply, case-insensitively, with curly quotes allowed and the
+label optional; this is the action the environment executes, so that a reply in the
+embedded model's own style (`Click [11] button "Profile" to open it.`) still acts and
+`success` has signal before the format is learned. Leniently, `back` counts only as the
+reply's first word, since the word is common in prose.
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ from dataclasses import dataclass
 
 VERBS = ("click", "type", "select", "back", "stop")
 USAGE = {
-    "click": "click [id]",
-    "type": 'type [id] "text"',
-    "select": 'select [id] "option"',
+    "click": 'click "label" [id]',
+    "type": 'type "label" [id] "text"',
+    "select": 'select "label" [id] "option"',
     "back": "back",
     "stop": 'stop "answer"',
 }
@@ -44,14 +51,18 @@ _TARGETED = ("click", "type", "select")
 
 @dataclass(frozen=True)
 class Action:
-    """One parsed action: its verb, the element id it targets, its quoted text."""
+    """One parsed action: its verb, the element id it targets, its quoted text, and the
+    label it gives the element (None when a lenient reply named the element by id only)."""
 
     verb: str
     target: int | None = None
     text: str | None = None
+    label: str | None = None
 
     def __str__(self) -> str:
         parts = [self.verb]
+        if self.label is not None:
+            parts.append(f'"{self.label}"')
         if self.target is not None:
             parts.append(f"[{self.target}]")
         if self.text is not None:
@@ -63,37 +74,46 @@ class ActionSyntaxError(ValueError):
     """A reply that is not exactly one well-formed action; the message says why."""
 
 
+_REF = r'"([^"\n]*)" \[(\d+)\]'  # an element: its label, then its id
 _STRICT = {
-    "click": re.compile(r"click \[(\d+)\]"),
-    "type": re.compile(r'type \[(\d+)\] "([^"\n]*)"'),
-    "select": re.compile(r'select \[(\d+)\] "([^"\n]*)"'),
+    "click": re.compile(rf"click {_REF}"),
+    "type": re.compile(rf'type {_REF} "([^"\n]*)"'),
+    "select": re.compile(rf'select {_REF} "([^"\n]*)"'),
     "back": re.compile(r"back\b"),
     "stop": re.compile(r'stop "([^"\n]*)"'),
 }
-_STRICT_ID = {verb: re.compile(rf"{verb} \[\d+\]") for verb in _TARGETED}
+_STRICT_REF = {verb: re.compile(rf"{verb} {_REF}") for verb in _TARGETED}
 _LEADING_WORD = re.compile(r"[A-Za-z]+")
 
 _Q = '"\u201c\u201d'  # straight and curly double quotes
+_QUOTED = rf"[{_Q}]([^{_Q}\n]*)[{_Q}]"
+_LOOSE_REF = rf"(?:{_QUOTED}\s*)?\[\s*(\d+)\s*\]"  # the label is optional
 _LENIENT = {
-    "click": re.compile(r"\bclick\s*\[\s*(\d+)\s*\]", re.IGNORECASE),
-    "type": re.compile(rf"\btype\s*\[\s*(\d+)\s*\]\s*[{_Q}]([^{_Q}\n]*)[{_Q}]", re.IGNORECASE),
-    "select": re.compile(rf"\bselect\s*\[\s*(\d+)\s*\]\s*[{_Q}]([^{_Q}\n]*)[{_Q}]", re.IGNORECASE),
-    "stop": re.compile(rf"\bstop\s*[{_Q}]([^{_Q}\n]*)[{_Q}]", re.IGNORECASE),
+    "click": re.compile(rf"\bclick\s*{_LOOSE_REF}", re.IGNORECASE),
+    "type": re.compile(rf"\btype\s*{_LOOSE_REF}\s*{_QUOTED}", re.IGNORECASE),
+    "select": re.compile(rf"\bselect\s*{_LOOSE_REF}\s*{_QUOTED}", re.IGNORECASE),
+    "stop": re.compile(rf"\bstop\s*{_QUOTED}", re.IGNORECASE),
     "back": re.compile(r"^\s*back\b", re.IGNORECASE),
 }
 
 
-def _action(verb: str, groups: tuple[str, ...]) -> Action:
+def _action(verb: str, groups: tuple[str | None, ...]) -> Action:
     if verb in _TARGETED:
-        return Action(verb, int(groups[0]), groups[1] if len(groups) > 1 else None)
+        label, target, *text = groups
+        return Action(verb, int(target), text[0] if text else None, label)
     return Action(verb, None, groups[0] if groups else None)
+
+
+def element_ref(el: dict) -> str:
+    """How an action names element `el`: its quoted label, then its id in brackets."""
+    return f'"{el["label"]}" [{el["id"]}]'
 
 
 def parse_action(reply: str) -> Action:
     """The reply as one action, or ActionSyntaxError saying what is wrong.
 
-    >>> parse_action(' type [7] "Paris" ')
-    Action(verb='type', target=7, text='Paris')
+    >>> parse_action(' type "City" [7] "Paris" ')
+    Action(verb='type', target=7, text='Paris', label='City')
     """
     text = reply.strip()
     if not text:
@@ -121,18 +141,21 @@ def _usage_error(verb: str, text: str) -> str:
     usage = USAGE[verb]
     if "\u201c" in text or "\u201d" in text:
         return f"use straight double quotes: {usage}"
-    if _LENIENT[verb].match(text):
+    loose = _LENIENT[verb].match(text)
+    if verb in _TARGETED and loose and loose.group(1) is None:
+        return f"name the element by its quoted label before its id: {usage}"
+    if loose:
         return f"put one space between the parts: {usage}"
-    if verb in _TARGETED and not _STRICT_ID[verb].match(text):
-        return f"{verb} needs an element id in brackets: {usage}"
-    # click and back match strictly once their id is right: what is left lacks a quote
+    if verb in _TARGETED and not _STRICT_REF[verb].match(text):
+        return f"{verb} needs the element's quoted label and its id in brackets: {usage}"
+    # click and back match strictly once their element is right: what is left lacks a quote
     return f"{verb} needs a quoted {_QUOTE_NOUN[verb]}: {usage}"
 
 
 def syntax_error(reply: str) -> str | None:
     """Why the reply is not exactly one well-formed action; None when it is.
 
-    >>> syntax_error("click [3]") is None, syntax_error("stop")
+    >>> syntax_error('click "Save" [3]') is None, syntax_error("stop")
     (True, 'stop needs a quoted answer: stop "answer"')
     """
     try:
@@ -162,7 +185,7 @@ def render_element(el: dict, value: str | bool | None = None) -> str:
     role, label = el["role"], el["label"]
     if role == "text":
         return f'text "{label}"'
-    head = f'[{el["id"]}] {role} "{label}"'
+    head = f'{role} "{label}" [{el["id"]}]'
     if role == "textbox":
         return f'{head} value="{value}"'
     if role == "combobox":

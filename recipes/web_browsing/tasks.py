@@ -47,13 +47,13 @@ LEVELS: dict[int, tuple[tuple[str, int], ...]] = {
 SLACK = 2  # extra steps allowed beyond the shortest solution of a multi-step task
 
 INTRO = (
-    'You are using a website to reach a goal. A page lists one element per line: [id] role "label".\n'
-    "Reply with exactly one action and nothing else. The actions:"
+    'You are using a website to reach a goal. A page lists one element per line: role "label" [id].\n'
+    'Reply with exactly one action and nothing else; name an element as "label" [id]. The actions:'
 )
 ACTION_HELP = {
-    "click": 'click [id] - press a button or link, or toggle a checkbox. For [3] button "Save", reply: click [3]',
-    "type": 'type [id] "text" - replace the text of a textbox. Example: type [7] "Paris"',
-    "select": 'select [id] "option" - choose an option of a combobox. Example: select [9] "Pro"',
+    "click": 'click "label" [id] - press a button or link, or toggle a checkbox. For button "Save" [3], reply: click "Save" [3]',
+    "type": 'type "label" [id] "text" - fill a textbox. Example: type "City" [7] "Paris"',
+    "select": 'select "label" [id] "option" - choose an option of a combobox. Example: select "Plan" [9] "Pro"',
     "back": "back - return to the previous page.",
     "stop": 'stop "answer" - give the answer to a question and finish. Example: stop "30 days"',
 }
@@ -72,10 +72,10 @@ def level_verbs(level: int) -> set[str]:
 # demonstrated reply far more reliably than it follows a described grammar. They are
 # on a made-up "Demo" site, in the environment's own words.
 def _form_page(city: str, cycle: str | None) -> str:
-    lines = ["Page: Demo > Settings > Address", f'[4] textbox "City" value="{city}"']
+    lines = ["Page: Demo > Settings > Address", f'textbox "City" [4] value="{city}"']
     if cycle is not None:
-        lines.append(f'[5] combobox "Billing cycle" value="{cycle}" options=["Monthly","Yearly"]')
-    return "\n".join([*lines, '[6] button "Save"', '[7] button "Cancel"'])
+        lines.append(f'combobox "Billing cycle" [5] value="{cycle}" options=["Monthly","Yearly"]')
+    return "\n".join([*lines, 'button "Save" [6]', 'button "Cancel" [7]'])
 
 
 def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
@@ -86,8 +86,8 @@ def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
         turns.append(
             (
                 'Goal: Click "Archive file".\nPage: Demo > Files\n'
-                '[1] button "Rename file"\n[2] button "Archive file"\n[3] button "Share file"',
-                "click [2]",
+                'button "Rename file" [1]\nbutton "Archive file" [2]\nbutton "Share file" [3]',
+                'click "Archive file" [2]',
             )
         )
     if "type" in verbs:
@@ -97,13 +97,17 @@ def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
         )
         cycle = "Yearly" if select else None
         turns.append(
-            (goal + 'then click "Save".\n' + _form_page("Paris", cycle), 'type [4] "Oslo"')
+            (goal + 'then click "Save".\n' + _form_page("Paris", cycle), 'type "City" [4] "Oslo"')
         )
-        last = 'Typed "Oslo" into [4] "City".'
+        last = 'Typed "Oslo" into "City" [4].'
         if select:
-            turns.append((f"{last}\n{_form_page('Oslo', 'Yearly')}", 'select [5] "Monthly"'))
-            last = 'Selected "Monthly" in [5] "Billing cycle".'
-        turns.append((f"{last}\n{_form_page('Oslo', 'Monthly' if select else None)}", "click [6]"))
+            turns.append(
+                (f"{last}\n{_form_page('Oslo', 'Yearly')}", 'select "Billing cycle" [5] "Monthly"')
+            )
+            last = 'Selected "Monthly" in "Billing cycle" [5].'
+        turns.append(
+            (f"{last}\n{_form_page('Oslo', 'Monthly' if select else None)}", 'click "Save" [6]')
+        )
     if "stop" in verbs:
         turns.append(
             (
