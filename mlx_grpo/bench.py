@@ -302,7 +302,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 f"Floor: GEMM {rates['gemm_gflops']:.0f} GFLOP/s, bandwidth "
                 f"{rates['bandwidth_gbs']:.1f} GB/s; mlx-grpo step = {fl['step_over_floor']:.1f}x "
                 f"its floor ({fl['step_floor_s']:.2f} s). Profiled step by phase and op class "
-                f"(seconds; op classes estimated from isolated ops at the real shapes)",
+                "(seconds; op classes estimated from isolated ops at the real shapes, "
+                "scaled down to the measured phase where they exceed it)",
                 [
                     "phase",
                     "measured s",

@@ -81,6 +81,11 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
     min_p: float = Field(0.0, ge=0, lt=1, description="Min-p sampling; 0 disables it.")
+    fold_adapters: bool = Field(
+        True,
+        description="Sample with each float32 LoRA layer folded into its base weight: one "
+        "matmul per layer instead of three, for a transient copy of those weights.",
+    )
 
 
 class GRPOConfig(_Section):

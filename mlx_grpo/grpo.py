@@ -184,14 +184,15 @@ def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list
     return out[::-1]
 
 
-def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, vocab):
+def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, vocab, mask=None):
     """(log-probs, entropies) [G, C] of one group's completions.
 
     The prompt runs once ([1, P]); its keys and values are shared (broadcast) by the
     completions, which run in length buckets, each padded only to its own longest
     row. Completion token j is predicted from position P - 1 + j: the prompt's last
     position for j = 0, then the completion's own positions. Positions at or past a
-    row's length are returned as 0.
+    row's length are returned as 0, and so are positions off `mask` (numpy [G, C] bool,
+    or None for all) when the head skips them (see _head_logprobs_at).
     """
     g, c = completions.shape
     cache = [_PrefixCache() for _ in model.layers]
@@ -206,7 +207,11 @@ def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, voc
         if cb > 1:
             h = model.model(tokens[:, : cb - 1], cache=[pc.shared(n) for pc in cache])
             first = mx.concatenate([first, h], axis=1)
-        lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab)
+        on = None if mask is None else mask[bucket, :cb]
+        if on is not None and on.mean() < SPARSE_HEAD_SHARE:
+            lp, ent = _head_logprobs_at(head, first, tokens[:, :cb], on, chunk_floats, vocab)
+        else:
+            lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab)
         if cb < c:
             lp, ent = mx.pad(lp, [(0, 0), (0, c - cb)]), mx.pad(ent, [(0, 0), (0, c - cb)])
         parts.append((lp, ent))
@@ -242,6 +247,34 @@ def _head_logprobs(head, hidden, targets, chunk_floats, vocab):
     )
 
 
+# Below this share of loss positions in a bucket, the output head runs only on those
+# positions: in a multi-turn episode most positions are the environment's observations,
+# and the head (a vocab-sized matmul and log-softmax per position) would dominate.
+SPARSE_HEAD_SHARE = 0.5
+
+
+def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab):
+    """_head_logprobs at the positions where `on` ([n, c] numpy bool) is set, 0 elsewhere:
+    the hidden states there are gathered into one [M, 1] batch, and the results are
+    gathered back (the backward pass scatters their gradients to the same positions)."""
+    n, c = targets.shape
+    flat = np.flatnonzero(on.reshape(-1))
+    m = len(flat)
+    if m == 0:
+        return mx.zeros((n, c)), mx.zeros((n, c))
+    pick = mx.array(flat)
+    h = hidden.reshape(n * c, -1)[pick][:, None]
+    lp, ent = _head_logprobs(head, h, targets.reshape(-1)[pick][:, None], chunk_floats, vocab)
+    back = np.full(n * c, m)  # off-mask positions read the trailing 0
+    back[flat] = np.arange(m)
+    back = mx.array(back)
+    zero = mx.zeros((1,))
+    return (
+        mx.concatenate([lp[:, 0], zero])[back].reshape(n, c),
+        mx.concatenate([ent[:, 0], zero])[back].reshape(n, c),
+    )
+
+
 def effective_lengths(mask: mx.array) -> list[int]:
     """Per row, one past the last position whose mask is set (0 for an empty row):
     later positions cannot affect the loss (the attention is causal)."""
@@ -256,6 +289,7 @@ def completion_logprobs(
     completions: mx.array,
     chunk_floats: int = 1 << 24,
     lengths: list[int] | None = None,
+    mask: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Log-probs and entropies of the completion tokens, [N, C] each.
 
@@ -266,7 +300,10 @@ def completion_logprobs(
     are returned as 0 and cost nothing. Each prompt is run once for its whole group,
     completions run in buckets of similar length, and logits are computed only at the
     positions that predict completion tokens, in row chunks of at most `chunk_floats`
-    logits that are recomputed in the backward pass (mx.checkpoint).
+    logits that are recomputed in the backward pass (mx.checkpoint). With `mask` ([N, C],
+    the loss mask), the lengths come from it and, where the mask is sparse (the
+    environment's tokens of a multi-turn episode), logits are computed only at its
+    positions; log-probs and entropies off the mask are then 0.
     """
     n, c = completions.shape
     g = n // len(prompts)
@@ -277,7 +314,10 @@ def completion_logprobs(
         return _full_sequence_logprobs(model, prompts, completions, g)
 
     head = _output_head(model)
-    lengths = [c] * n if lengths is None else [min(int(x), c) for x in lengths]
+    on = None if mask is None else np.array(mask) > 0
+    if lengths is None:
+        lengths = [c] * n if mask is None else effective_lengths(mask)
+    lengths = [min(int(x), c) for x in lengths]
     vocab = _vocab_size(model, head, completions)
     parts = [
         _group_logprobs(
@@ -288,6 +328,7 @@ def completion_logprobs(
             lengths[b * g : (b + 1) * g],
             chunk_floats,
             vocab,
+            None if on is None else on[b * g : (b + 1) * g],
         )
         for b, p in enumerate(prompts)
     ]
@@ -401,7 +442,7 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     logits_chunk are read).
     """
     logp, entropy = completion_logprobs(
-        model, batch.prompts, batch.completions, cfg.logits_chunk, effective_lengths(batch.mask)
+        model, batch.prompts, batch.completions, cfg.logits_chunk, mask=batch.mask
     )
     old = mx.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high

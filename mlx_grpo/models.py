@@ -180,3 +180,35 @@ def adapters_disabled(model: nn.Module):
         yield model
     finally:
         model.update_modules(tree_unflatten(lora))
+
+
+@contextlib.contextmanager
+def adapters_folded(model: nn.Module):
+    """For sampling: inside this block each float32 LoRALinear is one Linear holding
+    W + scale * (A B)^T, so a decode step runs one matmul per layer instead of three
+    (base, A, B) and about 400 fewer small ops for a 30-layer model.
+
+    The folded weights are a copy, held only inside the block; the adapters and the base
+    are untouched, so training sees exactly the parameters it had. Layers that are
+    quantized or stored in 16 bits keep their adapters (folding would round the small
+    update away), as does a model in training mode (LoRA dropout).
+    """
+    lora = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, LoRALinear)
+        and not isinstance(m.linear, nn.QuantizedLinear)
+        and m.linear.weight.dtype == mx.float32
+    ]
+    if not lora or model.training:
+        yield model
+        return
+    folded = [(name, m.fuse()) for name, m in lora]
+    for _, f in folded:
+        f.freeze()
+    mx.eval([f.weight for _, f in folded])
+    model.update_modules(tree_unflatten(folded))
+    try:
+        yield model
+    finally:
+        model.update_modules(tree_unflatten(lora))

@@ -25,6 +25,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.env import Env, Episode
+from mlx_grpo.models import adapters_folded
 
 
 @dataclass
@@ -396,6 +397,13 @@ def rollout_tasks(
     sampler=None,
 ) -> Rollout:
     """G completions (or, for a multi-turn recipe, G episodes) of every task."""
+    if cfg.fold_adapters:
+        with adapters_folded(model):
+            return _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler)
+    return _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler)
+
+
+def _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler) -> Rollout:
     if not recipe.multi_turn:
         prompts = [encode_prompt(tokenizer, t.messages, cfg.max_prompt_tokens) for t in tasks]
         return generate_groups(model, tokenizer, prompts, group_size, cfg, sampler)

@@ -22,7 +22,6 @@ from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
     completion_logprobs,
-    effective_lengths,
     group_advantages,
     grpo_loss,
     zero_variance_groups,
@@ -365,17 +364,14 @@ def _update(
     `batch` is this rank's share (None when all its groups were left out: it still
     joins every exchange, with zero gradients)."""
     if batch is not None:
-        need = [
-            batch.prompts,
-            batch.completions,
-            cfg.grpo.logits_chunk,
-            effective_lengths(batch.mask),
-        ]
+        need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
         if cfg.grpo.beta > 0:
             with adapters_disabled(model):
-                batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+                lp = completion_logprobs(model, *need, mask=batch.mask)[0]
+                batch.ref_logprobs = mx.stop_gradient(lp)
         if cfg.grpo.num_iterations > 1:
-            batch.old_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
+            lp = completion_logprobs(model, *need, mask=batch.mask)[0]
+            batch.old_logprobs = mx.stop_gradient(lp)
         mx.eval(batch.ref_logprobs, batch.old_logprobs)
     if dist.size > 1:
         # Every rank divides by the whole batch's counts (see grpo.aggregate).

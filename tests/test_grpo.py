@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.grpo import (
+    SPARSE_HEAD_SHARE,
     LossInputs,
     _full_sequence_logprobs,
     _splittable,
@@ -20,7 +21,7 @@ from mlx_grpo.grpo import (
     per_token_loss,
     zero_variance_groups,
 )
-from mlx_grpo.models import adapters_disabled, apply_lora, trainable_count
+from mlx_grpo.models import adapters_disabled, adapters_folded, apply_lora, trainable_count
 
 # ---------------------------------------------------------------- advantages
 
@@ -196,6 +197,36 @@ def test_chunked_logprobs_and_gradients_equal_unchunked(tiny):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+def test_sparse_mask_head_matches_the_dense_head_values_and_gradients(tiny):
+    """Multi-turn masks (a few model tokens between long observations): the head runs
+    only at the mask's positions and gives the dense path's values and gradients there."""
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=4)
+    _randomize_lora_b(model)
+    prompts, comp, lens = _groups(seed=4)
+    c = comp.shape[1]
+    turns = (np.arange(c) % 5 < 1)[None] & (np.arange(c)[None] < lens[:, None])
+    turns[1] = False  # a row with nothing in the loss
+    mask = mx.array(turns.astype(np.float32))
+    assert 0 < turns.mean() < SPARSE_HEAD_SHARE
+    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
+
+    def run(m, sparse):
+        lp, ent = completion_logprobs(m, prompts, comp, mask=mask if sparse else None)
+        return (lp * weights * mask).sum(), (lp * mask, ent * mask)
+
+    (v1, (lp1, e1)), g1 = nn.value_and_grad(model, lambda m: run(m, True))(model)
+    (v2, (lp2, e2)), g2 = nn.value_and_grad(model, lambda m: run(m, False))(model)
+    np.testing.assert_allclose(np.array(lp1), np.array(lp2), atol=1e-5)
+    np.testing.assert_allclose(np.array(e1), np.array(e2), atol=1e-4)
+    assert abs(v1.item() - v2.item()) < 1e-4 * max(1.0, abs(v2.item()))
+    for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=2e-3, atol=1e-5, err_msg=k)
+    assert any(mx.abs(a).max().item() > 0 for _, a in tree_flatten(g1))
+    lp_sparse, _ = completion_logprobs(model, prompts, comp, mask=mask)
+    assert (np.array(lp_sparse)[~turns] == 0).all()  # off the mask: not computed
+
+
 def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=4)
@@ -298,6 +329,34 @@ def test_reference_equals_base_model(tiny, tiny_model_dir):
         ref = model(x)
     assert mx.allclose(ref, base(x), atol=1e-6).item()
     assert not mx.allclose(model(x), base(x), atol=1e-3).item()  # adapters are back on
+
+
+def test_folded_adapters_sample_the_same_policy_and_unfold_exactly(tiny):
+    from mlx_lm.tuner.lora import LoRALinear
+
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=0)
+    _randomize_lora_b(model)
+    model.eval()
+    x = mx.array([[5, 6, 7, 8, 9]])
+    before, n_trainable = dict(tree_flatten(model.parameters())), trainable_count(model)
+    with adapters_folded(model):
+        folded = model(x)
+        assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+        assert trainable_count(model) == 0  # nothing to train while folded
+    assert mx.allclose(folded, model(x), rtol=1e-5, atol=1e-5).item()
+    after = dict(tree_flatten(model.parameters()))
+    assert before.keys() == after.keys()
+    assert all(mx.array_equal(before[k], after[k]).item() for k in before)
+    assert trainable_count(model) == n_trainable > 0
+
+    model.train()  # LoRA dropout: nothing is folded
+    with adapters_folded(model):
+        assert any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+    model.eval()
+    model.set_dtype(mx.bfloat16)  # 16-bit weights would round the update away
+    with adapters_folded(model):
+        assert any(isinstance(m, LoRALinear) for _, m in model.named_modules())
 
 
 def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch):
