@@ -78,6 +78,21 @@ def peak_rss_mb() -> float:
     return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
+class TimeSpent:
+    """A stand-in for `fn` that sums the seconds spent in its calls (`seconds`, which
+    the caller resets): how each runner times its system's sampling."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        tic = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - tic
+
+
 class StepClock:
     """Per-step records and the time to the first finished step, from `t0` (the
     parent's clock when it launched this process, so imports and loading count)."""

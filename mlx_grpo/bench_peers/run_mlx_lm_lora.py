@@ -73,17 +73,8 @@ def main(argv=None) -> None:
     def correct(prompts, completions, answer, types=None):
         return [wu.reward(c, int(a)) for c, a in zip(completions, answer)]
 
-    gen_s = [0.0]
-    real_generate = grpo_trainer.generate_grpo
-
-    def timed_generate(*a, **k):
-        tic = time.perf_counter()
-        try:
-            return real_generate(*a, **k)
-        finally:
-            gen_s[0] += time.perf_counter() - tic
-
-    grpo_trainer.generate_grpo = timed_generate
+    generate = wu.TimeSpent(grpo_trainer.generate_grpo)
+    grpo_trainer.generate_grpo = generate
     last = [0.0]
 
     class Record(TrainingCallback):
@@ -92,13 +83,13 @@ def main(argv=None) -> None:
             step_s, last[0] = now - last[0], now
             clock.record(
                 step_s=step_s,
-                rollout_s=gen_s[0],
-                update_s=step_s - gen_s[0],
+                rollout_s=generate.seconds,
+                update_s=step_s - generate.seconds,
                 gen_tokens=round(info["train_average_generated_tokens"] * wu.BATCH * wu.GROUP),
                 reward_mean=info.get("train_total_rewards_mean"),
                 mlx_peak_gb=info.get("peak_memory"),
             )
-            gen_s[0] = 0.0
+            generate.seconds = 0.0
 
     with tempfile.TemporaryDirectory() as out:
         targs = grpo_trainer.GRPOTrainingArgs(

@@ -103,26 +103,17 @@ def main(argv=None) -> None:
             peft_config=lora,
         )
 
-        gen_s = [0.0]
-        real_generate = trainer._generate
-
-        def timed_generate(*a, **k):
-            tic = time.perf_counter()
-            try:
-                return real_generate(*a, **k)
-            finally:
-                gen_s[0] += time.perf_counter() - tic
-
-        trainer._generate = timed_generate
+        generate = wu.TimeSpent(trainer._generate)
+        trainer._generate = generate
 
         class Clock(TrainerCallback):
             def on_step_begin(self, *a, **k):
                 self.tic = time.perf_counter()
-                gen_s[0] = 0.0
+                generate.seconds = 0.0
 
             def on_step_end(self, *a, **k):
                 self.step_s = time.perf_counter() - self.tic
-                self.rollout_s = gen_s[0]
+                self.rollout_s = generate.seconds
 
         clock_cb = Clock()
         trainer.add_callback(clock_cb)
