@@ -79,15 +79,16 @@ lint: $(STAMP)
 clean-venv:
 	rm -rf $(VENV) $(PARITY_VENV) .venv-bench-*
 
-# OpenBLAS from cmeel-openblas needs libgfortran.so.5 on Linux. Install it where we can
-# (root + apt); otherwise mlx-grpo warns once per run and uses MLX's built-in BLAS.
+# A BLAS with run-time CPU dispatch for MLX on Linux (README "Which BLAS"): the
+# distribution's OpenBLAS, installed where we can (root + apt). Otherwise mlx-grpo tries
+# PyPI's scipy-openblas32 (through a shim built with cc) and says what to install.
 system-deps:
-	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libgfortran\.so\.5'; then \
+	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0'; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing libgfortran5 (needed by OpenBLAS)"; \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgfortran5) >/dev/null 2>&1 \
-	      || echo "warning: could not install libgfortran5; MLX will use its slower built-in BLAS" >&2; \
+	    echo "installing libopenblas0-pthread (OpenBLAS with run-time CPU dispatch)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
+	      || echo "warning: could not install libopenblas0-pthread; mlx-grpo falls back to scipy-openblas32 or MLX's built-in BLAS" >&2; \
 	  else \
-	    echo "warning: libgfortran5 is missing; MLX will use its slower built-in BLAS" >&2; \
+	    echo "note: no system OpenBLAS; as root: apt-get install libopenblas0-pthread (or dnf install openblas-pthreads)" >&2; \
 	  fi; \
 	fi

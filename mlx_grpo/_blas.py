@@ -1,39 +1,213 @@
-"""Load OpenBLAS ahead of MLX on Linux CPUs.
+"""Give MLX a fast BLAS on Linux CPUs without ever loading one that can kill the process.
 
-MLX's Linux CPU wheel ships a reference BLAS (~5-7 GFLOP/s for float32 GEMM here).
-Loading OpenBLAS from the `cmeel-openblas` wheel with RTLD_GLOBAL before the first
-`import mlx` makes MLX resolve its BLAS calls there (~130-190 GFLOP/s). Everything
-else (macOS, an mlx already imported, a missing libgfortran) keeps MLX's own BLAS.
-MLX_GRPO_OPENBLAS=/path/to/libopenblas.so picks another OpenBLAS build;
-MLX_GRPO_NO_OPENBLAS=1 turns the whole thing off.
+MLX's Linux CPU wheel links a reference BLAS and LAPACK (~5-7 GFLOP/s float32 GEMM).
+Loading an OpenBLAS with RTLD_GLOBAL before the first `import mlx` makes MLX resolve its
+BLAS and LAPACK calls there (~130-450 GFLOP/s on 2 cores, by CPU). But an OpenBLAS built
+for another CPU family dies with SIGILL at its first GEMM, and a crash cannot be caught
+in the process that has it. So each candidate is first loaded in a child process that
+runs every BLAS/LAPACK routine MLX calls and checks the numbers against numpy in float64;
+the verdict is cached under the cache directory, keyed by the library file, the CPU and
+the thread count. The first candidate that passes is loaded. If none does, MLX keeps its
+own BLAS and one warning line says why and what to install.
 
-When `mlx.launch` starts several ranks on one machine, each would run as many
-OpenBLAS threads as there are cores, and OpenBLAS threads spin while they wait: the
-ranks then slow each other down many times over. Unless OPENBLAS_NUM_THREADS is set,
-each rank gets its share of the cores.
+Candidates, in order (README "Which BLAS"):
+  system            the distribution's OpenBLAS (Debian/Ubuntu `libopenblas0-pthread`,
+                    Fedora `openblas-pthreads`, Arch `openblas`, conda): DYNAMIC_ARCH
+                    builds that pick their kernels for the CPU at run time
+  scipy-openblas32  PyPI's DYNAMIC_ARCH build (the one numpy/scipy ship); its symbols
+                    carry a `scipy_` prefix, so MLX reaches it through a forwarding shim
+                    compiled once with the system C compiler
+  cmeel-openblas    PyPI's single-target build (SKYLAKEX kernels, MAX_THREADS=4): used
+                    only where its probe passes, after the others
+  builtin           MLX's own reference BLAS
+
+MLX_GRPO_OPENBLAS=<path to a BLAS library, or one of the names above> is tried first
+(`builtin` keeps MLX's own). A candidate whose build caps its threads below the count
+wanted here is used only when no uncapped one works.
+
+Threads: OPENBLAS_NUM_THREADS, if set, rules. Otherwise one thread per physical core that
+this process may run on (affinity and cgroup quota), shared out between the ranks of an
+`mlx.launch` job on the same machine: OpenBLAS threads spin while they wait, so ranks
+that each ran a thread per core would slow each other down many times over.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
+import math
 import os
 import platform
+import re
+import shutil
+import signal
+import subprocess
 import sys
 import sysconfig
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-_state: dict[str, str | None] = {"blas": None}
+from mlx_grpo._paths import cache_root
+
+# The BLAS and LAPACK symbols that libmlx.so (mlx 0.32) imports; the probe runs each one
+# through MLX and the scipy-openblas32 shim forwards each one.
+MLX_BLAS_SYMBOLS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
+MLX_LAPACK_SYMBOLS = tuple(
+    f"{t}{r}_"
+    for t, routines in (
+        ("s", ("geev", "gesdd", "geqrf", "getrf", "getri", "orgqr", "potrf", "syevd", "trtri")),
+        ("d", ("geev", "gesdd", "geqrf", "getrf", "getri", "orgqr", "potrf", "syevd", "trtri")),
+        ("c", ("geev", "gesdd", "heevd")),
+    )
+    for r in routines
+)
+NAMES = ("system", "scipy-openblas32", "cmeel-openblas", "builtin")
+INSTALL_HINT = (
+    "install your distribution's OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread; "
+    "Fedora: dnf install openblas-pthreads), or a C compiler for the scipy-openblas32 shim"
+)
+PROBE_TIMEOUT_S = 300
+
+# Runs in a child process: argv = [library or "", thread count]. Loads the library,
+# then runs each routine through MLX on well-conditioned inputs and checks a residual
+# against numpy in float64. Prints one JSON line, or dies trying.
+PROBE = r"""
+import ctypes, json, os, sys
+lib, threads = sys.argv[1], int(sys.argv[2])
+config = ""
+if lib:
+    handle = ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
+    for prefix in ("", "scipy_"):
+        if hasattr(handle, prefix + "openblas_get_config"):
+            get = getattr(handle, prefix + "openblas_get_config")
+            get.restype = ctypes.c_char_p
+            config = get().decode(errors="replace")
+            getattr(handle, prefix + "openblas_set_num_threads")(threads)
+            break
+import mlx.core as mx
+import numpy as np
+
+mx.set_default_device(mx.cpu)
+rng = np.random.default_rng(0)
+failed = []
 
 
-def _openblas_path() -> Path | None:
-    if override := os.environ.get("MLX_GRPO_OPENBLAS"):  # e.g. Debian's libopenblas0-pthread
-        return Path(override)
-    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        lib = Path(base) / "cmeel.prefix" / "lib" / "libopenblas.so.0"
-        if lib.exists():
-            return lib
-    return None
+def rel(residual, scale):
+    return float(np.linalg.norm(residual) / max(np.linalg.norm(scale), 1e-300))
+
+
+def check(name, residual, scale, tol):
+    err = rel(residual, scale)
+    if not err <= tol:  # also catches NaN
+        failed.append(f"{name} residual {err:.1e} > {tol:.0e}")
+
+
+def matrix(n, m, dtype):
+    a = rng.standard_normal((n, m))
+    if np.dtype(dtype).kind == "c":
+        a = a + 1j * rng.standard_normal((n, m))
+    return a.astype(dtype)
+
+
+def mlx(a):
+    return mx.array(a, dtype=getattr(mx, a.dtype.name))
+
+
+def spd(n, dtype):
+    a = matrix(n, n, dtype)
+    return (a @ a.conj().T + n * np.eye(n)).astype(dtype)
+
+
+# float32: error of a K-term dot product <= K eps |a||b|; K <= 512, eps 6e-8 -> 3e-5.
+TOL = {"float32": 1e-4, "complex64": 1e-4, "float64": 1e-11}
+for dt, tol in TOL.items():
+    # GEMM: tiny, odd-sized, large enough to use every thread, and transposed operands.
+    for n, k, m in ((3, 5, 4), (67, 45, 33), (384, 512, 256)):
+        a, b = matrix(n, k, dt), matrix(k, m, dt)
+        want = a.astype(np.complex128) @ b.astype(np.complex128)
+        got = np.array(mlx(a) @ mlx(b))
+        check(f"{dt} matmul {n}x{k}x{m}", got - want, np.abs(a) @ np.abs(b), tol)
+        got = np.array(mlx(a.T.copy()).T @ mlx(b.T.copy()).T)
+        check(f"{dt} matmul^T {n}x{k}x{m}", got - want, np.abs(a) @ np.abs(b), tol)
+    n = 48
+    a = spd(n, dt)
+    A = mlx(a)
+    eye = np.eye(n)
+    if dt != "complex64":  # MLX's LAPACK paths for real types only
+        check(f"{dt} inv", a @ np.array(mx.linalg.inv(A)) - eye, eye, tol)
+        low = np.array(mx.linalg.cholesky(A))
+        check(f"{dt} cholesky", low @ low.T - a, a, tol)
+        q, r = (np.array(x) for x in mx.linalg.qr(A))
+        check(f"{dt} qr", q @ r - a, a, tol)
+        tri = np.tril(a)
+        check(f"{dt} tri_inv", tri @ np.array(mx.linalg.tri_inv(mlx(tri), upper=False)) - eye, eye, tol)
+    u, s, vt = (np.array(x) for x in mx.linalg.svd(A))
+    check(f"{dt} svd", (u * s) @ vt - a, a, tol)
+    w, v = (np.array(x) for x in mx.linalg.eigh(A))
+    check(f"{dt} eigh", a @ v - v * w, a, tol)
+    g = matrix(n, n, dt) + n * np.eye(n, dtype=dt)
+    w, v = (np.array(x) for x in mx.linalg.eig(mlx(g)))
+    # eig returns complex64 whatever the input: float32 accuracy. Each eigenvalue makes
+    # g - w I singular; MLX's complex eigenvectors follow another convention, so vectors
+    # are checked for real inputs only.
+    smallest = [np.linalg.svd(g - x * eye, compute_uv=False)[-1] for x in w]
+    check(f"{dt} eig values", np.array(smallest), g, 1e-3)
+    if dt != "complex64":
+        check(f"{dt} eig", g @ v - v * w, g, 1e-3)
+print(json.dumps({"config": config, "failed": failed}))
+"""
+
+
+@dataclass(frozen=True)
+class Blas:
+    """The BLAS that MLX uses in this process."""
+
+    name: str  # one of NAMES, or "custom" for a path given in MLX_GRPO_OPENBLAS
+    path: str | None  # the library loaded (None: MLX's own)
+    config: str = ""  # openblas_get_config()
+    threads: int | None = None
+
+    def describe(self) -> str:
+        if self.path is None:
+            return "MLX built-in BLAS"
+        config = " ".join(w for w in self.config.split() if w != "NO_AFFINITY")
+        return f"{config or 'BLAS'} ({self.name}, {self.threads} threads)"
+
+
+_state: dict[str, Blas | None] = {"blas": None}
+
+
+# ---------------------------------------------------------------------------- threads
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on: its CPU affinity counted once per core
+    (hyperthreads share one), capped by a cgroup v2 CPU quota."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        for name in ("core_cpus_list", "thread_siblings_list"):
+            try:
+                cores.add(topo.joinpath(name).read_text().strip())
+                break
+            except OSError:
+                continue
+        else:
+            cores.add(str(cpu))
+    n = len(cores)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
 
 
 def local_ranks(env=os.environ) -> int:
@@ -53,36 +227,298 @@ def local_ranks(env=os.environ) -> int:
         return 1
 
 
-def use_fast_blas() -> str | None:
-    """Load OpenBLAS globally if this is Linux and mlx is not imported yet.
+def blas_threads(env=os.environ) -> int:
+    """OPENBLAS_NUM_THREADS if set, else this rank's share of the physical cores."""
+    if (given := env.get("OPENBLAS_NUM_THREADS", "")).isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, physical_cores() // local_ranks(env))
 
-    Returns the path loaded, or None. Prints a one-line warning when OpenBLAS is
-    installed but cannot be loaded (usually a missing libgfortran.so.5).
-    """
-    if _state["blas"] is not None or sys.platform != "linux":
-        return _state["blas"]
-    if os.environ.get("MLX_GRPO_NO_OPENBLAS") or "mlx.core" in sys.modules:
-        return None
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    lib = _openblas_path()
-    if lib is None:
-        return None
-    if "OPENBLAS_NUM_THREADS" not in os.environ and (n := local_ranks()) > 1:
-        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+
+# ------------------------------------------------------------------------- candidates
+
+
+def _system_paths() -> list[Path]:
+    arch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+    paths = (
+        [Path(os.environ["CONDA_PREFIX"]) / "lib/libopenblas.so.0"]
+        if "CONDA_PREFIX" in os.environ
+        else []
+    )
+    return paths + [
+        Path(f"/usr/lib/{arch}/libopenblas.so.0"),  # Debian/Ubuntu (alternatives link)
+        Path("/usr/lib64/libopenblasp.so.0"),  # Fedora/RHEL, pthreads build
+        Path("/usr/lib64/libopenblas.so.0"),
+        Path("/usr/lib/libopenblas.so.0"),  # Arch, Alpine
+    ]
+
+
+def _site_dirs() -> list[Path]:
+    return [
+        Path(p) for p in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    ]
+
+
+def _find_scipy_openblas() -> Path | None:
+    for base in _site_dirs():
+        lib = base / "scipy_openblas32" / "lib" / "libscipy_openblas.so"
+        if lib.exists():
+            return lib
+    return None
+
+
+def _shim_source() -> str:
+    """A library that defines each symbol MLX imports as a jump to its `scipy_` twin:
+    a tail jump forwards every argument (Fortran's hidden string lengths included)
+    without restating any signature."""
+    jump = {"x86_64": "jmp scipy_{0}@PLT", "aarch64": "b scipy_{0}"}[platform.machine()]
+    lines = [
+        f'__asm__(".globl {s}\\n.type {s}, @function\\n{s}:\\n    {jump.format(s)}\\n");'
+        for s in MLX_BLAS_SYMBOLS
+        + MLX_LAPACK_SYMBOLS
+        + ("openblas_get_config", "openblas_set_num_threads")
+    ]
+    return "\n".join(lines) + '\n__asm__(".section .note.GNU-stack,\\"\\",@progbits");\n'
+
+
+def _build_shim(lib: Path) -> tuple[Path | None, str]:
+    """The compiled forwarding shim for scipy-openblas32 (built once into the cache)."""
+    if platform.machine() not in ("x86_64", "aarch64"):
+        return None, f"no shim for {platform.machine()}"
+    source = _shim_source()
+    st = lib.stat()
+    key = hashlib.sha256(f"{source}{lib}{st.st_size}{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "blas" / f"scipy-openblas32-shim-{key}.so"
+    if out.exists():
+        return out, ""
+    cc = next(
+        (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
+    )
+    if cc is None:
+        return None, "no C compiler (cc) to build its shim"
     try:
-        ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            src = Path(tmp) / "shim.c"
+            src.write_text(source)
+            cmd = [cc, "-shared", "-fPIC", "-o", f"{tmp}/shim.so", str(src), str(lib),
+                   f"-Wl,-rpath,{lib.parent}"]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                return None, f"its shim did not compile: {_last_line(done.stderr)}"
+            os.replace(f"{tmp}/shim.so", out)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"its shim could not be built: {e}"
+    return out, ""
+
+
+def _cmeel_path() -> Path | None:
+    for base in _site_dirs():
+        lib = base / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+        if lib.exists():
+            return lib
+    return None
+
+
+def _locate(name: str) -> tuple[Path | None, str]:
+    """The library file of a named candidate, or None and why not."""
+    if name == "system":
+        found = next((p for p in _system_paths() if p.exists()), None)
+        return found, "" if found else "not installed"
+    if name == "scipy-openblas32":
+        lib = _find_scipy_openblas()
+        return _build_shim(lib) if lib else (None, "not installed")
+    if name == "cmeel-openblas":
+        found = _cmeel_path()
+        return found, "" if found else "not installed"
+    raise ValueError(name)
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def _cpu_signature() -> str:
+    """The first processor's identity and feature flags from /proc/cpuinfo."""
+    keep = ("vendor_id", "cpu family", "model", "model name", "flags", "features",
+            "cpu implementer", "cpu architecture", "cpu variant", "cpu part")  # fmt: skip
+    try:
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return platform.machine()
+    fields = [line for line in block.splitlines() if line.split(":")[0].strip().lower() in keep]
+    return platform.machine() + "\n" + "\n".join(fields)
+
+
+def _mlx_version() -> str:
+    from importlib import metadata
+
+    for dist in ("mlx", "mlx-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "?"
+
+
+def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
+    """Whether `lib` runs every BLAS/LAPACK routine MLX calls correctly on this CPU, found
+    in a child process (a crash there is a verdict, not a crash here). Returns
+    {"ok": bool, "reason": str, "config": str}; cached by file, CPU, MLX and threads."""
+    lib = Path(lib)
+    try:
+        st = lib.resolve().stat()
     except OSError as e:
-        print(
-            f"mlx-grpo: warning: OpenBLAS not usable ({e}); running on MLX's slower "
-            "built-in BLAS (install libgfortran5 to fix)",
-            file=sys.stderr,
+        return {"ok": False, "reason": f"cannot read it ({e.strerror})", "config": ""}
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                PROBE,
+                str(lib.resolve()),
+                st.st_size,
+                st.st_mtime_ns,
+                _cpu_signature(),
+                _mlx_version(),
+                threads,
+                sys.executable,
+            ]  # fmt: skip
+        ).encode()
+    ).hexdigest()[:24]
+    cached = cache_root() / "blas" / f"verdict-{key}.json"
+    if use_cache:
+        try:
+            return json.loads(cached.read_text())
+        except (OSError, ValueError):
+            pass
+    verdict = _run_probe(lib, threads)
+    if use_cache:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(verdict))
+            os.replace(tmp, cached)
+        except OSError:
+            pass  # a read-only cache only costs a probe per process
+    return verdict
+
+
+def _run_probe(lib: Path, threads: int) -> dict:
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, str(lib), str(threads)],
+            capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "reason": f"its probe hung (> {PROBE_TIMEOUT_S} s)", "config": ""}
+    if done.returncode < 0:
+        sig = signal.Signals(-done.returncode).name
+        why = " (code for another CPU)" if sig == "SIGILL" else ""
+        return {"ok": False, "reason": f"its probe was killed by {sig}{why}", "config": ""}
+    try:
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        config, failed = str(out["config"]), list(out["failed"])
+    except (ValueError, KeyError, TypeError, IndexError):
+        why = _last_line(done.stderr) or f"exit status {done.returncode}"
+        return {"ok": False, "reason": f"its probe failed: {why}", "config": ""}
+    if failed:
+        return {"ok": False, "reason": "wrong results: " + "; ".join(failed[:3]), "config": config}
+    return {"ok": True, "reason": "", "config": config}
+
+
+def max_threads(config: str) -> int | None:
+    """The thread cap an OpenBLAS build was compiled with (MAX_THREADS=n in its config)."""
+    m = re.search(r"MAX_THREADS=(\d+)", config)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------- choice
+
+
+def _set_threads(handle: ctypes.CDLL, threads: int) -> None:
+    for prefix in ("", "scipy_"):
+        if hasattr(handle, prefix + "openblas_set_num_threads"):
+            getattr(handle, prefix + "openblas_set_num_threads")(threads)
+            return
+
+
+def choose(env=os.environ) -> tuple[Blas, str | None]:
+    """The first candidate that passes its probe (see the module doc), and the one
+    warning line to print, if any. Loads nothing into this process."""
+    threads = blas_threads(env)
+    forced = env.get("MLX_GRPO_OPENBLAS", "").strip()
+    order = [n for n in NAMES if n != "builtin"]
+    if forced == "builtin":
+        return Blas("builtin", None), None
+    if forced in order:
+        order.remove(forced)
+        order.insert(0, forced)
+    problems: list[str] = []  # "<candidate>: why", for candidates that exist but failed
+    missing: list[str] = []
+    capped: Blas | None = None
+    tries = (["custom"] if forced and forced not in NAMES else []) + order
+    for name in tries:
+        lib, why = (Path(forced), "") if name == "custom" else _locate(name)
+        label = f"MLX_GRPO_OPENBLAS={forced}" if name == "custom" else name
+        if lib is None:
+            (missing if why == "not installed" else problems).append(f"{label}: {why}")
+            continue
+        verdict = probe(lib, threads)
+        if not verdict["ok"]:
+            problems.append(f"{label}: {verdict['reason']}")
+            continue
+        cap = max_threads(verdict["config"])
+        if cap is not None and cap < threads and name not in ("custom", forced):
+            capped = capped or Blas(name, str(lib), verdict["config"], cap)
+            problems.append(f"{label}: built for at most {cap} threads")
+            continue
+        blas = Blas(name, str(lib), verdict["config"], min(threads, cap or threads))
+        break
+    else:
+        blas = capped or Blas("builtin", None)
+    if blas.path is None:
+        why = "; ".join(problems + missing)
+        return blas, (
+            f"no usable OpenBLAS ({why}); MLX's built-in BLAS is ~30x slower on matmuls: "
+            f"{INSTALL_HINT}"
         )
-        return None
-    _state["blas"] = str(lib)
-    return _state["blas"]
+    if problems:
+        return blas, f"{'; '.join(problems)}; using {blas.describe()}"
+    return blas, None
+
+
+def use_fast_blas() -> Blas | None:
+    """On Linux, before the first `import mlx`: choose a BLAS (module doc) and load it
+    globally. Returns the choice, or None where there is nothing to choose (another
+    OS, or mlx already imported)."""
+    if _state["blas"] is not None or sys.platform != "linux" or "mlx.core" in sys.modules:
+        return _state["blas"]
+    blas, warning = choose()
+    if blas.path is not None:
+        try:
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", str(blas.threads))
+            _set_threads(ctypes.CDLL(blas.path, mode=os.RTLD_GLOBAL), blas.threads or 1)
+        except OSError as e:  # removed between the probe and now
+            warning, blas = (
+                f"{blas.path} could not be loaded ({e}); using MLX's built-in BLAS",
+                Blas("builtin", None),
+            )
+    if warning:
+        print(f"mlx-grpo: warning: {warning}", file=sys.stderr)
+    _state["blas"] = blas
+    return blas
 
 
 def blas_in_use() -> str:
-    """A short name of the BLAS MLX uses in this process, for logs."""
-    return "openblas" if _state["blas"] else "builtin"
+    """What MLX computes its matmuls with in this process, for the first line of a run."""
+    blas = _state["blas"]
+    return (
+        blas.describe()
+        if blas
+        else "MLX built-in BLAS"
+        if sys.platform == "linux"
+        else "Accelerate"
+    )

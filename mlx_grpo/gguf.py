@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_grpo._paths import cache_root
+
 # Bump when the output of `convert_gguf` changes: the cache folder name follows it,
 # so old conversions are not reused.
 CONVERTER_VERSION = 2
@@ -313,10 +315,6 @@ def find_default_gguf() -> Path:
     )
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("MLX_GRPO_CACHE") or Path.home() / ".cache" / "mlx-grpo")
-
-
 def default_model_dir(gguf: Path | None = None) -> Path:
     """Cache folder of the converted default model:
     `$MLX_GRPO_CACHE` (or ~/.cache/mlx-grpo) / models / SmolLM2-135M-Instruct-gguf-<tag>.
@@ -328,7 +326,7 @@ def default_model_dir(gguf: Path | None = None) -> Path:
     gguf = gguf or find_default_gguf()
     key = f"{gguf.name}:{gguf.stat().st_size}:{CONVERTER_VERSION}"
     tag = hashlib.sha256(key.encode()).hexdigest()[:10]
-    return _cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-gguf-{tag}"
+    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-gguf-{tag}"
 
 
 def ensure_default_model() -> Path:

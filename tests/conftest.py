@@ -4,8 +4,17 @@ real one, offline and in milliseconds."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
+
+# The suite's converted models and BLAS verdicts go to a cache of its own, never the
+# user's (~/.cache/mlx-grpo); subprocesses inherit it.
+os.environ["MLX_GRPO_CACHE"] = _CACHE = tempfile.mkdtemp(prefix="mlx-grpo-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 # isort: off
 import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
