@@ -21,6 +21,7 @@ import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
 
 # isort: on
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -59,6 +60,41 @@ def write_byte_tokenizer(folder: Path) -> int:
         )
     )
     return len(vocab)
+
+
+# Unit roundoff of float32: every float32 operation is exact to within a factor (1 + d),
+# |d| <= U32.
+U32 = 2.0**-24
+
+
+def f32_tolerance(additions: int) -> float:
+    """Relative tolerance between two float32 computations of one quantity that add the
+    same terms in different orders (chunks, buckets, rank shares, another BLAS's kernels):
+    each is within gamma_n = n U / (1 - n U) of the exact sum of n terms, relative to the
+    sum of their magnitudes (Higham, Accuracy and Stability, 3.1), so the two differ by at
+    most 2 gamma_n. `additions` is n: the additions on the longest path to the result."""
+    gamma = additions * U32 / (1 - additions * U32)
+    return 2 * gamma
+
+
+def assert_f32_close(actual, desired, additions: int, what: str = "") -> None:
+    """actual == desired up to float32 reordering error, measured on the whole tensor
+    (2-norm): elements that cancel to nearly zero carry an error relative to the terms
+    they were summed from, not to their own size, which a per-element rtol gets wrong."""
+    a = np.asarray(actual, dtype=np.float64)
+    d = np.asarray(desired, dtype=np.float64)
+    assert a.shape == d.shape, (what, a.shape, d.shape)
+    err, scale = np.linalg.norm(a - d), max(np.linalg.norm(a), np.linalg.norm(d))
+    tol = f32_tolerance(additions)
+    assert err <= tol * scale, f"{what}: |a - b| = {err:.3g} > {tol:.2g} * |b| = {tol * scale:.3g}"
+
+
+def tiny_additions(config: dict) -> int:
+    """A bound on the float32 additions on the longest path through a tiny llama's loss
+    and gradients (config: its config.json): the widest reduction (MLP, vocabulary,
+    hidden) once per layer, the head and the log-softmax, forward and backward."""
+    width = max(config["intermediate_size"], config["vocab_size"], config["hidden_size"])
+    return 2 * (config["num_hidden_layers"] + 2) * width
 
 
 def make_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:

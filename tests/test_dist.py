@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from conftest import assert_f32_close, f32_tolerance, tiny_additions
 
 from mlx_grpo.cli import cmd_train
 
@@ -111,15 +112,21 @@ def test_two_ranks_match_one_process_and_resume(tiny_model_dir, tmp_path):
     ref = _adapters(single / "r" / "adapters.safetensors")
     assert ref.keys() == a0.keys()
     assert any(np.abs(v).max() > 0 for k, v in ref.items() if k.endswith("lora_b"))
+    # Each of the 4 steps sums the same terms in another order (two shares, then the
+    # all_sum); AdamW's normalised step carries a gradient's relative error through.
+    n = 4 * tiny_additions(json.loads((tiny_model_dir / "config.json").read_text()))
     for k in ref:
-        np.testing.assert_allclose(a0[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=k)
+        assert_f32_close(a0[k], ref[k], n, k)
 
-    # Same samples, rewards and decisions; losses and norms within float tolerance.
+    # Same samples, rewards and decisions; losses and norms within float tolerance. Loss
+    # and KL are means of O(1) terms (normalised advantages, ratios near 1) that cancel,
+    # so their error is relative to 1 where they are smaller than 1.
     m1, m2 = _metrics(single / "r"), _metrics(run)
     for r1, r2 in zip(m1, m2, strict=True):
         assert r1.keys() == r2.keys()
         for k in r1:
-            assert np.isclose(r1[k], r2[k], rtol=1e-4, atol=1e-6), (r1["step"], k, r1[k], r2[k])
+            bound = f32_tolerance(n) * max(1.0, abs(r2[k]))
+            assert abs(r1[k] - r2[k]) <= bound, (r1["step"], k, r1[k], r2[k])
     samples = _jsonl(run / "samples.jsonl")
     assert samples == _jsonl(single / "r" / "samples.jsonl")
     # With seed 5, task 0's group is rank 0's only group at step 1 and rank 1's at

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import doctest
 import json
-import time
 from collections import Counter
 
 import pytest
@@ -296,11 +295,9 @@ def test_select_matches_options_case_insensitively_and_rejects_unknown_ones(trai
     assert not result.info["valid"] and 'has no option "Platinum"' in result.observation
 
 
-def test_env_is_cheap_and_determined_by_its_json_payload(train):
-    tic = time.perf_counter()
+def test_every_env_builds_and_is_determined_by_its_json_payload(train):
     for task in train:
         make_env(task)
-    assert (time.perf_counter() - tic) / len(train) < 0.005
     for task in train[::25]:
         copy = Task(task.id, task.level, task.messages, json.loads(json.dumps(task.payload)))
         assert copy.payload == task.payload
