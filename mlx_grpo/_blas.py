@@ -6,9 +6,10 @@ BLAS and LAPACK calls there (~130-450 GFLOP/s on 2 cores, by CPU). But an OpenBL
 for another CPU family dies with SIGILL at its first GEMM, and a crash cannot be caught
 in the process that has it. So each candidate is first loaded in a child process that
 runs every BLAS/LAPACK routine MLX calls and checks the numbers against numpy in float64;
-the verdict is cached under the cache directory, keyed by the library file, the CPU and
-the thread count. The first candidate that passes is loaded. If none does, MLX keeps its
-own BLAS and one warning line says why and what to install.
+the verdict is cached under the cache directory, keyed by the library file, the CPU,
+the thread count and OPENBLAS_CORETYPE (which forces a kernel family). The first
+candidate that passes is loaded. If none does, MLX keeps its own BLAS and one warning
+line says why and what to install.
 
 Candidates, in order (README "Which BLAS"):
   system            the distribution's OpenBLAS (Debian/Ubuntu `libopenblas0-pthread`,
@@ -252,17 +253,11 @@ def _system_paths() -> list[Path]:
     ]
 
 
-def _site_dirs() -> list[Path]:
-    return [
-        Path(p) for p in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
-    ]
-
-
-def _find_scipy_openblas() -> Path | None:
-    for base in _site_dirs():
-        lib = base / "scipy_openblas32" / "lib" / "libscipy_openblas.so"
-        if lib.exists():
-            return lib
+def _site_file(*parts: str) -> Path | None:
+    """A file installed by a wheel into this environment's site-packages."""
+    for base in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")):
+        if (path := Path(base, *parts)).exists():
+            return path
     return None
 
 
@@ -311,24 +306,16 @@ def _build_shim(lib: Path) -> tuple[Path | None, str]:
     return out, ""
 
 
-def _cmeel_path() -> Path | None:
-    for base in _site_dirs():
-        lib = base / "cmeel.prefix" / "lib" / "libopenblas.so.0"
-        if lib.exists():
-            return lib
-    return None
-
-
 def _locate(name: str) -> tuple[Path | None, str]:
     """The library file of a named candidate, or None and why not."""
     if name == "system":
         found = next((p for p in _system_paths() if p.exists()), None)
         return found, "" if found else "not installed"
     if name == "scipy-openblas32":
-        lib = _find_scipy_openblas()
+        lib = _site_file("scipy_openblas32", "lib", "libscipy_openblas.so")
         return _build_shim(lib) if lib else (None, "not installed")
     if name == "cmeel-openblas":
-        found = _cmeel_path()
+        found = _site_file("cmeel.prefix", "lib", "libopenblas.so.0")
         return found, "" if found else "not installed"
     raise ValueError(name)
 
@@ -384,7 +371,8 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
                 _mlx_version(),
                 threads,
                 sys.executable,
-            ]  # fmt: skip
+                os.environ.get("OPENBLAS_CORETYPE"),
+            ]
         ).encode()
     ).hexdigest()[:24]
     cached = cache_root() / "blas" / f"verdict-{key}.json"

@@ -35,11 +35,11 @@ import sys
 import time
 from pathlib import Path
 
+from mlx_grpo._paths import cache_root
 from mlx_grpo.bench_peers import RESULT_TAG
 
 ROOT = Path(__file__).resolve().parent.parent
 LINUX = sys.platform == "linux"
-LINUX_X86 = LINUX and platform.machine() in ("x86_64", "AMD64")
 # Pinned so that a re-run measures the same peers; the torch pin is the CPU build on
 # Linux (a plain `torch` from PyPI is the multi-GB CUDA build there).
 PEERS = {
@@ -52,14 +52,13 @@ PEERS = {
     "mlx-lm-lora": {
         "venv": ".venv-bench-mlxlmlora",
         "first": [],
-        "reqs": ["mlx-lm-lora==5.10.2", "mlx[cpu]==0.32.4" if LINUX else "mlx==0.32.4"]
-        + (["cmeel-openblas"] if LINUX_X86 else []),
+        "reqs": ["mlx-lm-lora==5.10.2", "mlx[cpu]==0.32.4" if LINUX else "mlx==0.32.4"],
         "runner": "mlx_grpo.bench_peers.run_mlx_lm_lora",
     },
 }
 SYSTEMS = ("mlx-grpo", "trl", "mlx-lm-lora")
 SCALING = [(4, 64), (16, 64), (8, 128), (8, 256)]  # (G, new tokens); (8, 64) is the main run
-BASE_DIR = Path.home() / ".cache" / "mlx-grpo" / "bench" / "smollm2-base-f32"
+BASE_DIR = cache_root() / "bench" / "smollm2-base-f32"
 
 
 class BenchError(RuntimeError):
@@ -128,7 +127,12 @@ def ensure_base_export() -> Path:
 
 
 def _env() -> dict:
+    from mlx_grpo._blas import _state
+
     env = dict(os.environ)
+    # Every MLX system runs on the BLAS this process chose (peers' venvs hold other wheels)
+    if (blas := _state["blas"]) is not None:
+        env["MLX_GRPO_OPENBLAS"] = blas.path or "builtin"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env

@@ -1,9 +1,9 @@
 """mlx-lm-lora's GRPO trainer (`mlx_lm_lora.trainer.grpo_trainer.train_grpo`) on the
 benchmark's work unit.
 
-Runs in its own virtual environment (.venv-bench-mlxlmlora: mlx-lm-lora, mlx[cpu],
-cmeel-openblas); importing mlx_grpo.bench_peers first loads OpenBLAS exactly as
-mlx-grpo does, so both MLX systems use the same BLAS:
+Runs in its own virtual environment (.venv-bench-mlxlmlora: mlx-lm-lora, mlx[cpu]);
+importing mlx_grpo.bench_peers first loads the BLAS that the bench chose for mlx-grpo
+(passed as MLX_GRPO_OPENBLAS), so both MLX systems use the same BLAS:
 
     python -m mlx_grpo.bench_peers.run_mlx_lm_lora --model HF_FOLDER --steps 4
 
