@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_grpo.compare import bootstrap_indices, percentile_interval
+from mlx_grpo.runfolder import RunFolder
+from mlx_grpo.stats import bootstrap_indices, percentile_interval
 
 STRATEGIES = ("uniform", "learnability", "filter")
 
@@ -167,8 +168,8 @@ def print_table(rows: list[dict], baseline: str) -> None:
 
 
 def _run_done(run: Path, budget: int) -> bool:
-    ev = run / "eval.jsonl"
-    if not ev.exists() or not (run / "latest").exists():
+    ev = RunFolder(run).eval_file
+    if not ev.exists() or not RunFolder(run).latest_file.exists():
         return False
     last = read_curve(ev).tokens[-1]
     return last >= budget
@@ -191,7 +192,7 @@ def train_one(run: Path, strategy: str, seed: int, args, extra: list[str]) -> No
         f"--output.save_every={args.eval_every}",
         *extra,
     ]
-    if (run / "latest").exists():  # interrupted: continue it
+    if RunFolder(run).latest_file.exists():  # interrupted: continue it
         flags = ["--resume", str(run), *extra]
     cmd = [sys.executable, "-m", "mlx_grpo", "train", *flags]
     print(f"[{strategy} seed {seed}] {' '.join(cmd[2:])}", flush=True)
@@ -233,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             run = runs / f"{strategy}-s{seed}"
             if not args.analyse_only and not _run_done(run, args.token_budget):
                 train_one(run, strategy, seed, args, extra)
-            if (run / "eval.jsonl").exists():
-                curves.setdefault(strategy, {})[seed] = read_curve(run / "eval.jsonl", args.key)
+            if (ev := RunFolder(run).eval_file).exists():
+                curves.setdefault(strategy, {})[seed] = read_curve(ev, args.key)
     if "uniform" not in curves:
         raise SystemExit("error: no finished uniform run to compare with")
     rows = analyse(curves)

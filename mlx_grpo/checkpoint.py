@@ -1,13 +1,5 @@
-"""Atomic checkpoints of everything a run needs to continue exactly.
-
-    checkpoints/<run>/
-      config.json                 the run's full config
-      adapters.safetensors        latest adapters  } mlx_lm.load(model, adapter_path=<run>)
-      adapter_config.json                          }
-      latest                      name of the newest complete step folder
-      step-000020/                adapters, adapter_config.json, optimizer.safetensors,
-                                  state.json (step, counters, curriculum)
-      metrics.jsonl, samples.jsonl
+"""Atomic checkpoints of everything a run needs to continue exactly (the folder layout:
+`mlx_grpo.runfolder`).
 
 A step folder is written under a temporary name and renamed when complete, and
 `latest` and the top-level adapters are replaced with os.replace, so a run killed at
@@ -25,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-STEP_PREFIX = "step-"
+from mlx_grpo.runfolder import RunFolder
 
 
 class CheckpointError(RuntimeError):
@@ -51,10 +43,6 @@ def _replace_file(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def step_dirs(run_dir: Path) -> list[Path]:
-    return sorted(p for p in run_dir.glob(f"{STEP_PREFIX}*") if (p / "state.json").exists())
-
-
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -65,57 +53,33 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write step folder `step-NNNNNN`, point `latest` at it, prune old ones."""
-    final = run_dir / f"{STEP_PREFIX}{step:06d}"
-    tmp = run_dir / f".tmp-{final.name}"
+    run = RunFolder(run_dir)
+    final, tmp = run.step_dir(step), run.tmp_step_dir(step)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         adapters = dict(tree_flatten(model.trainable_parameters()))
-        mx.save_safetensors(str(tmp / "adapters.safetensors"), adapters)
-        _write_json(tmp / "adapter_config.json", adapter_config)
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+        mx.save_safetensors(str(tmp / run.ADAPTERS), adapters)
+        _write_json(tmp / run.ADAPTER_CONFIG, adapter_config)
+        mx.save_safetensors(str(tmp / run.OPTIMIZER), dict(tree_flatten(optimizer.state)))
         _write_json(
-            tmp / "state.json",
+            tmp / run.STATE,
             {"step": state.step, "counters": state.counters, "curriculum": state.curriculum},
         )
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _write_json(run_dir / "latest", {"step_dir": final.name, "step": step})
-        _replace_file(final / "adapters.safetensors", run_dir / "adapters.safetensors")
-        _replace_file(final / "adapter_config.json", run_dir / "adapter_config.json")
+        _write_json(run.latest_file, {"step_dir": final.name, "step": step})
+        for name in (run.ADAPTERS, run.ADAPTER_CONFIG):
+            _replace_file(final / name, run.path / name)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        prev = latest_step_dir(run_dir)
+        prev = run.latest_step_dir()
         kept = f"; the previous checkpoint {prev} is intact" if prev else ""
         raise CheckpointError(f"checkpoint: cannot write {final}: {e.strerror or e}{kept}") from e
-    for old in step_dirs(run_dir)[:-keep_last]:
+    for old in run.step_dirs()[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def saved_step(folder: Path) -> int | None:
-    """The step a step folder (its state.json) or a run folder (its `latest` pointer)
-    holds, or None when there is none to read."""
-    name = "state.json" if folder.name.startswith(STEP_PREFIX) else "latest"
-    try:
-        return int(json.loads((folder / name).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def latest_step_dir(run_dir: Path) -> Path | None:
-    """The newest complete step folder (from `latest`, else by name), or None."""
-    pointer = run_dir / "latest"
-    if pointer.exists():
-        try:
-            cand = run_dir / json.loads(pointer.read_text())["step_dir"]
-            if (cand / "state.json").exists():
-                return cand
-        except (ValueError, KeyError):
-            pass
-    dirs = step_dirs(run_dir)
-    return dirs[-1] if dirs else None
 
 
 def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
@@ -123,7 +87,7 @@ def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
 
     Every mismatch between the checkpoint's adapters and the model is reported at once.
     """
-    adapters = mx.load(str(step_dir / "adapters.safetensors"))
+    adapters = mx.load(str(step_dir / RunFolder.ADAPTERS))
     expected = dict(tree_flatten(model.trainable_parameters()))
     errors = [f"missing {k}" for k in expected if k not in adapters]
     errors += [f"unexpected {k}" for k in adapters if k not in expected]
@@ -136,8 +100,8 @@ def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
         shown = "; ".join(errors[:5]) + (f"; +{len(errors) - 5} more" if len(errors) > 5 else "")
         raise CheckpointError(f"checkpoint: {step_dir} does not fit this model's LoRA: {shown}")
     model.load_weights(list(adapters.items()), strict=False)
-    opt_state = mx.load(str(step_dir / "optimizer.safetensors"))
+    opt_state = mx.load(str(step_dir / RunFolder.OPTIMIZER))
     optimizer.state = tree_unflatten(list(opt_state.items()))
-    state = json.loads((step_dir / "state.json").read_text())
+    state = json.loads((step_dir / RunFolder.STATE).read_text())
     mx.eval(model.parameters(), optimizer.state)
     return TrainState(state["step"], state["counters"], state["curriculum"])

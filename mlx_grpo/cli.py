@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_grpo.checkpoint import CheckpointError, latest_step_dir
+from mlx_grpo.checkpoint import CheckpointError
 from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
 from mlx_grpo.recipe import recipe_defaults
+from mlx_grpo.runfolder import RunFolder, step_of
 
 USAGE = """\
 python -m mlx_grpo train [--recipe NAME|PATH] [--config FILE.toml] [--resume [RUN_DIR]]
@@ -47,10 +48,10 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
             if not out.get("run"):
                 raise ConfigError("--resume: give the run folder, or --output.run=NAME")
             run_dir = Path(out.get("dir", "checkpoints")) / out["run"]
-        saved = run_dir / "config.json"
+        saved = RunFolder(run_dir).config_file
         if not saved.exists():
             raise ConfigError(f"--resume: {saved} not found (not a run folder)")
-        step_dir = latest_step_dir(run_dir)
+        step_dir = RunFolder(run_dir).latest_step_dir()
         if step_dir is None:
             raise CheckpointError(f"--resume: {run_dir} has no complete checkpoint yet")
         base = json.loads(saved.read_text())
@@ -70,7 +71,7 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
     run = cfg.output.run or f"{Path(cfg.recipe.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.output.run = run
     run_dir = Path(cfg.output.dir) / run
-    if latest_step_dir(run_dir) is not None:
+    if RunFolder(run_dir).latest_step_dir() is not None:
         raise ConfigError(
             f"output.run: {run_dir} already holds a run; add --resume to continue it "
             "or choose another --output.run"
@@ -117,8 +118,7 @@ def cmd_train(argv: list[str]) -> int:
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps * cfg.grpo.num_iterations)
 
     if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        RunFolder(run_dir).write_config(cfg)
     adapter_cfg = adapter_config(cfg.lora, model, cfg.model.path)
     _check_ranks_agree(dist, len(train_tasks), trainable_count(model))
 
@@ -128,13 +128,13 @@ def cmd_train(argv: list[str]) -> int:
             recipe.tasks("eval", cfg.recipe.eval_size, cfg.train.seed), cfg.train.eval_tasks
         )
         eval_fn = make_eval_fn(
-            model, tokenizer, recipe, eval_tasks, cfg.rollout, run_dir / "eval.jsonl"
+            model, tokenizer, recipe, eval_tasks, cfg.rollout, RunFolder(run_dir).eval_file
         )
 
-    start = int(resume_from.name.rsplit("-", 1)[1]) if resume_from else 0
+    start = step_of(resume_from.name) if resume_from else 0
     live = cfg.output.live if dist.is_main else "no"
     display = Display(cfg.train.steps, start, live, f"{cfg.recipe.name} -> {run_dir}")
-    device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({blas_in_use()} BLAS)"
+    device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({blas_in_use()})"
     ranks = f"; {dist.size} ranks (data-parallel)" if dist.size > 1 else ""
     if dist.is_main:
         display.info(

@@ -11,19 +11,12 @@ A side is `default` (the embedded model), a model folder or a Hub id (plus, opti
 adapters), one of its `step-NNNNNN` folders, or `RUN@step-NNNNNN` (also `RUN@20`).
 A is loaded, evaluated and freed before B is loaded.
 
-What is compared. The unit is the task: a task's value is the mean over its k samples.
-- Each side's mean: a 95% percentile bootstrap over tasks (10,000 resamples, seeded).
-- B - A: a paired bootstrap; each resample draws the same tasks for both sides.
-- p-value: two-sided paired sign-flip permutation test of the mean difference; exact
-  over all 2^n sign patterns when n <= 16 tasks, else 20,000 random flips with the +1
-  correction, p = (1 + hits) / (1 + R). The sign test (binomial on the tasks that are
-  not tied) is reported beside it: it ignores effect sizes, so it is robust to a few
-  tasks with large differences.
-- pass@k: Chen et al. (2021)'s unbiased estimator 1 - C(n-c, k) / C(n, k) per task
-  (n samples, c successes), averaged over tasks. A sample succeeds when the component
-  named by `--success-key` reaches its best value (1): by default the `success`
-  component when the reward has one, else the weighted reward reaching the recipe's
-  best (`Recipe.max_reward`, every weighted component at 1).
+What is compared: per-task values, with the intervals and tests of `mlx_grpo.stats`
+(paired bootstrap of B - A, sign-flip permutation and sign tests, unbiased pass@k).
+- A sample succeeds when the component named by `--success-key` reaches its best
+  value (1): by default the `success` component when the reward has one, else the
+  weighted reward reaching the recipe's best (`Recipe.max_reward`, every weighted
+  component at 1).
 - Win / tie / loss: tasks where B's mean reward is above / equal to / below A's.
 
 Metric names are the ones the training log uses for held-out evaluation (`eval/reward`,
@@ -46,7 +39,6 @@ import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
 import argparse
 import gc
 import json
-import math
 import shutil
 import sys
 import time
@@ -55,140 +47,16 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_grpo.checkpoint import saved_step
 from mlx_grpo.config import ConfigError, ModelConfig, RunConfig, build_config, parse_overrides
 from mlx_grpo.evaluate import TaskResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults, recipe_dir
+from mlx_grpo.runfolder import RunFolder
+from mlx_grpo.stats import TOL, StatsConfig, compare_values, pass_at_k
 from mlx_grpo.textstats import distinct_n, self_bleu
-
-# Floating-point slack when comparing rewards (ties, "reached the best value").
-TOL = 1e-6
 
 
 class CompareError(RuntimeError):
     """Two sides that cannot be compared as asked; the message is one line."""
-
-
-# ------------------------------------------------------------------------- statistics
-
-
-@dataclass(frozen=True)
-class StatsConfig:
-    """How intervals and p-values are computed (all draws come from `seed`)."""
-
-    resamples: int = 10_000  # bootstrap resamples of the tasks
-    permutations: int = 20_000  # random sign flips when the exact test is too big
-    exact_max: int = 16  # enumerate all 2^n sign patterns up to this many tasks
-    level: float = 0.95  # confidence level of the intervals
-    seed: int = 0
-
-
-def bootstrap_indices(n: int, resamples: int, seed: int) -> np.ndarray:
-    """[resamples, n] task indices drawn with replacement; row r is resample r."""
-    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-
-
-def percentile_interval(stats: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """The central `level` interval of bootstrap statistics (percentile method, numpy's
-    linear interpolation)."""
-    lo, hi = np.percentile(stats, [50 * (1 - level), 50 * (1 + level)])
-    return float(lo), float(hi)
-
-
-def bootstrap_ci(
-    values, resamples: int = 10_000, seed: int = 0, level: float = 0.95
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of `values`.
-
-    >>> bootstrap_ci([1.0, 1.0, 1.0])
-    (1.0, 1.0)
-    """
-    x = np.asarray(values, dtype=float)
-    return percentile_interval(x[bootstrap_indices(len(x), resamples, seed)].mean(1), level)
-
-
-def permutation_p(d, permutations: int = 20_000, seed: int = 0, exact_max: int = 16) -> float:
-    """Two-sided paired sign-flip permutation test of mean(d) = 0.
-
-    Under the null each per-task difference is as likely to have either sign. Exact
-    (all 2^n patterns, the observed one included) when n <= exact_max; otherwise
-    `permutations` random patterns and p = (1 + hits) / (1 + permutations).
-
-    >>> permutation_p([0.0, 0.0, 0.0])
-    1.0
-    >>> permutation_p([1.0, 1.0, 1.0])  # only all-plus and all-minus reach |sum| = 3
-    0.25
-    """
-    d = np.asarray(d, dtype=float)
-    n = len(d)
-    observed = abs(d.sum())
-    slack = 1e-9 * (1.0 + np.abs(d).sum())  # the same sum in another order
-    if n <= exact_max:
-        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
-        hits = int((np.abs(signs @ d) >= observed - slack).sum())
-        return hits / 2**n
-    rng = np.random.default_rng(seed)
-    hits = 0
-    for lo in range(0, permutations, 4096):  # chunks keep memory flat for big eval sets
-        size = min(4096, permutations - lo)
-        signs = 1 - 2 * rng.integers(0, 2, size=(size, n))
-        hits += int((np.abs(signs @ d) >= observed - slack).sum())
-    return (1 + hits) / (1 + permutations)
-
-
-def sign_test_p(d) -> float:
-    """Two-sided sign test: ties (d = 0) dropped, the positives ~ Binomial(m, 1/2).
-
-    >>> sign_test_p([1, 1, 1, 1, 1])
-    0.0625
-    """
-    d = np.asarray(d, dtype=float)
-    pos, neg = int((d > TOL).sum()), int((d < -TOL).sum())
-    m = pos + neg
-    if m == 0:
-        return 1.0
-    tail = sum(math.comb(m, i) for i in range(min(pos, neg) + 1))
-    return min(1.0, 2 * tail / 2**m)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one task with n samples, c of them correct (Chen et al. 2021):
-    the chance that k samples drawn without replacement hold at least one success.
-
-    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 4)
-    (0.25, 0.5, 0.0)
-    """
-    if not 1 <= k <= n:
-        raise ValueError(f"pass@{k} needs 1 <= k <= n samples (n={n})")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def compare_values(metric: str, a, b, stats: StatsConfig = StatsConfig()) -> dict:
-    """One summary row for per-task values of A and B (same tasks, same order): each
-    side's mean with its interval, B - A with its paired interval, both p-values."""
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if a.shape != b.shape or a.ndim != 1 or len(a) == 0:
-        raise ValueError(f"{metric}: A and B need the same non-empty list of tasks")
-    d = b - a
-    idx = bootstrap_indices(len(a), stats.resamples, stats.seed)
-    a_lo, a_hi = percentile_interval(a[idx].mean(1), stats.level)
-    b_lo, b_hi = percentile_interval(b[idx].mean(1), stats.level)
-    lo, hi = percentile_interval(d[idx].mean(1), stats.level)
-    return {
-        "metric": metric,
-        "n": len(a),
-        "a": float(a.mean()),
-        "b": float(b.mean()),
-        "diff": float(d.mean()),
-        "ci_low": lo,
-        "ci_high": hi,
-        "p_value": permutation_p(d, stats.permutations, stats.seed, stats.exact_max),
-        "p_sign": sign_test_p(d),
-        "a_low": a_lo,
-        "a_high": a_hi,
-        "b_low": b_lo,
-        "b_high": b_hi,
-    }
 
 
 # ------------------------------------------------------------------- per-task values
@@ -353,25 +221,17 @@ class Side:
 
 
 def _read_run_config(run_dir: Path, flag: str) -> RunConfig:
+    path = RunFolder(run_dir).config_file
     try:
-        return build_config(json.loads((run_dir / "config.json").read_text()), source="config")
+        return build_config(json.loads(path.read_text()), source="config")
     except (ValueError, ConfigError) as e:
         first = str(e).strip().splitlines()[0]
-        raise CompareError(f"--{flag}: {run_dir / 'config.json'}: {first}") from None
-
-
-def _is_run_dir(path: Path) -> bool:
-    """A run folder's config.json is a whole run config; a model's is not."""
-    try:
-        return isinstance(json.loads((path / "config.json").read_text()).get("model"), dict)
-    except (OSError, ValueError, AttributeError):
-        return False
+        raise CompareError(f"--{flag}: {path}: {first}") from None
 
 
 def _check_adapter(path: Path, what: str) -> None:
-    missing = [
-        f for f in ("adapters.safetensors", "adapter_config.json") if not (path / f).exists()
-    ]
+    names = (RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG)
+    missing = [f for f in names if not (path / f).exists()]
     if missing:
         raise CompareError(f"{what}: {path} has no {' or '.join(missing)}")
 
@@ -390,13 +250,12 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
     head, at, tail = spec.rpartition("@")
     if at and head and Path(head).expanduser().is_dir():
         run_dir = Path(head).expanduser()
-        name = f"step-{int(tail):06d}" if tail.isdigit() else tail  # RUN@20 or RUN@step-..
-        if not name.startswith("step-") or not (run_dir / name).is_dir():
-            have = sorted(p.name for p in run_dir.glob("step-*") if p.is_dir())
+        step_dir = RunFolder(run_dir).find_step(tail)  # RUN@20 or RUN@step-..
+        if step_dir is None:
+            have = [p.name for p in RunFolder(run_dir).step_dirs(complete=False)]
             raise CompareError(
                 f"{opt}: no checkpoint '{tail}' in {run_dir} (has: {', '.join(have) or 'none'})"
             )
-        step_dir = run_dir / name
     else:
         path = Path(spec).expanduser()
         if spec == "default":
@@ -407,11 +266,9 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
             return _with_adapter(Side(flag, spec, ModelConfig(path=spec)), adapter)  # Hub id
         if not path.is_dir():
             raise CompareError(f"{opt}: not a folder (give a run folder or a model folder)")
-        if path.name.startswith("step-") and _is_run_dir(path.parent):
-            run_dir, step_dir = path.parent, path
-        elif _is_run_dir(path):
-            run_dir = path
-        elif (path / "config.json").exists():
+        if held := RunFolder.holding(path):
+            run_dir, step_dir = held[0].path, (held[1] if held[1] != held[0].path else None)
+        elif (path / RunFolder.CONFIG).exists():
             return _with_adapter(Side(flag, spec, ModelConfig(path=spec)), adapter)
         else:
             raise CompareError(f"{opt}: neither a model folder nor a run folder (no config.json)")
@@ -420,10 +277,10 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
         raise CompareError(f"--{flag}-adapter: {spec} is a run folder, which has its own adapters")
     cfg = _read_run_config(run_dir, flag)
     folder = step_dir or run_dir
-    if not (folder / "adapters.safetensors").exists():
+    if not (folder / RunFolder.ADAPTERS).exists():
         raise CompareError(f"{opt}: {folder} has no adapters.safetensors (no checkpoint saved yet)")
     _check_adapter(folder, opt)
-    return Side(flag, spec, cfg.model, folder, run_dir, cfg, saved_step(folder))
+    return Side(flag, spec, cfg.model, folder, run_dir, cfg, RunFolder.saved_step(folder))
 
 
 def _with_adapter(side: Side, adapter: str | None) -> Side:
@@ -923,9 +780,10 @@ def write_outputs(data: dict, report: Report, out: Path, run_dir: Path | None, c
         )
     else:
         written.append(png)
-    if run_dir is not None and path.resolve() != (run_dir / "compare.json").resolve():
-        shutil.copyfile(path, run_dir / "compare.json")
-        written.append(run_dir / "compare.json")
+    copy = RunFolder(run_dir).compare_file if run_dir is not None else None
+    if copy is not None and path.resolve() != copy.resolve():
+        shutil.copyfile(path, copy)
+        written.append(copy)
     return written
 
 

@@ -51,7 +51,9 @@ class ModelConfig(_Section):
 class LoRAConfig(_Section):
     rank: int = Field(8, ge=1, description="LoRA rank r.")
     scale: float = Field(20.0, gt=0, description="mlx_lm's LoRA scale (PEFT's lora_alpha / r).")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input while training."
+    )
     num_layers: int = Field(
         -1, description="Adapt the last N transformer blocks; -1 adapts all of them."
     )
@@ -142,20 +144,29 @@ class GRPOConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    learning_rate: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    learning_rate: float = Field(
+        1e-5, gt=0, description="AdamW's peak learning rate (after warm-up, before decay)."
+    )
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW's decoupled weight decay on the LoRA weights."
+    )
     warmup_steps: int = Field(
         0, ge=0, description="Linear warm-up from lr/(warmup_steps+1) up to the learning rate."
     )
-    schedule: Literal["cosine", "constant"] = "cosine"
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine",
+        description="After warm-up: cosine decay to min_lr_ratio * lr over the run, or constant.",
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global-norm gradient clipping.")
 
 
 class TrainConfig(_Section):
-    steps: int = Field(100, ge=1)
+    steps: int = Field(100, ge=1, description="Updates (steps of B groups) in the run.")
     batch_size: int = Field(2, ge=1, description="B: prompts per step (B*G completions).")
-    seed: int = 0
+    seed: int = Field(
+        0, description="Seeds the task draw, sampling and LoRA init; a run replays exactly."
+    )
     sample_every: int = Field(10, ge=0, description="Write sample completions every N steps.")
     max_nonfinite_steps: int = Field(
         5, ge=1, description="Stop after this many non-finite updates in a row."
@@ -250,8 +261,10 @@ class RecipeConfig(_Section):
     tasks: str | None = Field(
         None, description="A JSONL file of tasks in the recipe folder (instead of tasks.py)."
     )
-    train_size: int = Field(2000, ge=1)
-    eval_size: int = Field(200, ge=1)
+    train_size: int = Field(2000, ge=1, description="Tasks generated for the train split.")
+    eval_size: int = Field(
+        200, ge=1, description="Tasks generated for the held-out split (never trained on)."
+    )
 
 
 class OutputConfig(_Section):

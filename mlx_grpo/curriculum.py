@@ -31,11 +31,32 @@ Rewards are compared as shares of `max_reward` (the sum of the recipe's weights)
 from __future__ import annotations
 
 from collections import Counter
+from typing import Protocol
 
 import numpy as np
 
 from mlx_grpo.config import ConfigError, CurriculumConfig
 from mlx_grpo.recipe import Task
+
+
+class Curriculum(Protocol):
+    """What the trainer asks of a task selector (bench_peers' FixedOrder is another)."""
+
+    oversample: float  # groups rolled out per group trained (filter: > 1)
+
+    def sample(self, n: int) -> list[Task]:
+        """The next n tasks (deterministic given the state)."""
+
+    def update(self, tasks: list[Task], group_rewards: list[list[float]]) -> None:
+        """The G rewards each sampled task's group earned."""
+
+    def metrics(self) -> dict:
+        """Figures for the step's log (`curriculum/...`)."""
+
+    def state_dict(self) -> dict:
+        """Everything needed to draw the same tasks after a resume (JSON-able)."""
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _filter_levels(tasks: list[Task], levels: list[int] | None) -> list[Task]:
@@ -280,9 +301,6 @@ class LearnabilityCurriculum:
         self.retired = set(state["retired"])
         self.value = {int(k): v for k, v in state["value"].items()}
         self.level_mean = {int(k): v for k, v in state["level_mean"].items()}
-
-
-Curriculum = UniformCurriculum | FilterCurriculum | LearnabilityCurriculum
 
 
 def make_curriculum(

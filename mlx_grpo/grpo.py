@@ -1,4 +1,5 @@
-r"""GRPO as we optimise it: pure functions on `mx.array`s.
+r"""GRPO as we optimise it: pure functions on `mx.array`s (the log-probs themselves come
+from `mlx_grpo.logprobs`).
 
 For each prompt q we sample a group of G completions o_1..o_G from the policy at
 temperature T, score them, and minimise
@@ -6,31 +7,36 @@ temperature T, score them, and minimise
     L(theta) = AGG_{i,t} [ -min(rho_it * A_i, clip(rho_it, 1 - eps_lo, 1 + eps_hi) * A_i)
                            + beta * KL_it ]
 
-over the completion tokens t of every completion i (prompt and padding tokens are
-masked out), where
+over the completion tokens t of every completion i (prompt, padding and, in multi-turn
+episodes, the environment's tokens are masked out), where
 
     rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
     A_i    = (r_i - mean(r_group)) / (std(r_group) + 1e-4)          (scale_rewards="group")
     KL_it  = exp(ref_it - logp_it) - (ref_it - logp_it) - 1          (k3, always >= 0)
 
-and ref is the same model with its LoRA adapters switched off. Departures from paper
-GRPO, each an option in `GRPOConfig`:
+and ref is the same model with its LoRA adapters switched off. The defaults, and how
+they depart from paper GRPO (each an option in `GRPOConfig`):
 
+- `loss_type="dapo"` (default, AGG): the token mean over all completion tokens of the
+  batch. "grpo" (paper) averages each sequence's token mean, so short sequences weigh
+  more per token; "dr_grpo" sums tokens and divides by N * max_new_tokens (a constant,
+  so no length bias).
+- `skip_zero_variance_groups=True` (default): groups whose rewards are all equal
+  (A = 0, only the KL term) are left out of the batch, so they count neither in the
+  loss nor in its divisors (N, the token count); the trainer logs their share as
+  `groups/zero_variance_frac`. With False they stay in and add their KL term.
 - `num_iterations=1` (default): pi_old is the current policy, so rho = 1 and the
   loss is the plain policy gradient with a group-mean baseline; clipping only acts
   when `num_iterations > 1` reuses a rollout for several updates.
-- `scale_rewards`: "group" divides by the group std (paper); "batch" by the std of
-  all rewards in the step; "none" keeps raw centred rewards (Dr. GRPO), which
+- `scale_rewards="group"` (default, paper) divides by the group std; "batch" by the
+  std of all rewards in the step; "none" keeps raw centred rewards (Dr. GRPO), which
   removes the up-weighting of groups that are almost all right or all wrong.
-- `loss_type` (AGG): "grpo" averages each sequence's token mean (short sequences
-  weigh more per token); "dr_grpo" sums tokens and divides by N * max_new_tokens
-  (a constant, so no length bias); "dapo" averages over all completion tokens of
-  the batch.
+- `beta=0.04` (default): the k3 KL to the adapter-free model; 0 skips the reference
+  pass.
 - `epsilon_high` (DAPO clip-higher) widens the upper clip only.
 - `mask_truncated_completions` drops completions that hit the length limit.
 - Log-probs are always those of the untempered model (temperature only shapes
   sampling), as in TRL.
-- Groups whose rewards are all equal get A = 0 and contribute only the KL term.
 - Data-parallel runs (mlx_grpo/dist.py) split the batch over ranks and sum their
   gradients. Each rank divides by the batch's *global* count (`LossInputs.total_rows`
   and `total_tokens`), so the sum is exactly the gradient of AGG over the whole batch.
@@ -42,8 +48,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
+
+from mlx_grpo.logprobs import completion_logprobs
 
 ADV_EPS = 1e-4
 
@@ -77,285 +83,6 @@ def zero_variance_groups(rewards: mx.array, group_size: int) -> mx.array:
     """[B] bool: groups whose G rewards are all equal (no policy-gradient signal)."""
     r = rewards.reshape(-1, group_size)
     return (r.max(axis=1) - r.min(axis=1)) <= 1e-8
-
-
-def _output_head(model: nn.Module):
-    """The model's vocab projection, so logits can be computed for chosen positions only."""
-    if getattr(model, "lm_head", None) is not None:
-        return model.lm_head
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if embed is not None and hasattr(embed, "as_linear"):
-        return embed.as_linear
-    return None
-
-
-def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(log p(target), entropy) per position from [..., V] logits, in float32.
-
-    One `exp` over the vocabulary serves the normaliser, the entropy and (through the
-    saved output of `exp`) the backward pass: on CPUs a vocabulary-wide exp costs more
-    than the GEMM that made the logits, and logsumexp + softmax would take three.
-    """
-    shifted = logits.astype(mx.float32)
-    shifted = shifted - mx.stop_gradient(shifted.max(axis=-1, keepdims=True))
-    e = mx.exp(shifted)
-    total = e.sum(axis=-1)
-    log_total = mx.log(total)
-    picked = mx.take_along_axis(shifted, mx.stop_gradient(targets)[..., None], axis=-1)
-    entropy = log_total - (e * shifted).sum(axis=-1) / total
-    return picked.squeeze(-1) - log_total, mx.stop_gradient(entropy)
-
-
-class _PrefixCache:
-    """A differentiable KV cache for one group: the prompt's keys/values, computed once,
-    then shared (broadcast, not copied) by the group's G completions.
-
-    It speaks the part of mlx_lm's cache protocol that attention layers use
-    (`offset`, `update_and_fetch`, `make_mask`) and keeps everything in the graph, so
-    gradients reach the LoRA weights through the prompt positions too.
-    """
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.offset = 0
-
-    def update_and_fetch(self, keys, values):
-        if self.keys is not None:
-            keys = mx.concatenate([self.keys, keys], axis=2)
-            values = mx.concatenate([self.values, values], axis=2)
-        self.keys, self.values = keys, values
-        self.offset = keys.shape[2]
-        return keys, values
-
-    def shared(self, rows: int) -> _PrefixCache:
-        """A cache for `rows` completions on top of this (prompt) cache, which stays as is."""
-        out = _PrefixCache()
-        out.keys = mx.broadcast_to(self.keys, (rows, *self.keys.shape[1:]))
-        out.values = mx.broadcast_to(self.values, (rows, *self.values.shape[1:]))
-        out.offset = self.offset
-        return out
-
-    def make_mask(self, n, return_array=False, window_size=None):
-        return create_attention_mask(n, self.offset, return_array, window_size)
-
-
-def _splittable(model: nn.Module) -> bool:
-    """True for mlx_lm models with an inner `.model`, an output head we can call on
-    chosen positions, and plain KV caches (no sliding windows or SSM state)."""
-    inner = getattr(model, "model", None)
-    return (
-        inner is not None
-        and _output_head(model) is not None
-        and all(isinstance(c, KVCache) for c in make_prompt_cache(model))
-    )
-
-
-# A separate pass for a bucket of completions costs about as much as this many more
-# padded positions (dispatch and Python work per layer); it sets how finely rows are
-# bucketed by length.
-BUCKET_OVERHEAD_POSITIONS = 24
-
-
-def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list[int]]:
-    """Rows grouped so that padding each group to its own longest row costs least.
-
-    Rows of length 0 are left out (nothing of them enters the loss). Sorted by length,
-    the best split into contiguous runs is found exactly (cost: rows x longest +
-    `overhead` per run).
-
-    >>> length_buckets([64, 3, 60, 2, 0])
-    [[0, 2], [1, 3]]
-    >>> length_buckets([64, 60, 62])
-    [[0, 2, 1]]
-    """
-    overhead = BUCKET_OVERHEAD_POSITIONS if overhead is None else overhead
-    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
-    n = len(order)
-    best, cut = [0] + [float("inf")] * n, [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):
-            cost = best[i] + (j - i) * lengths[order[i]] + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    out, j = [], n
-    while j > 0:
-        out.append(order[cut[j] : j])
-        j = cut[j]
-    return out[::-1]
-
-
-def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, vocab, mask=None):
-    """(log-probs, entropies) [G, C] of one group's completions.
-
-    The prompt runs once ([1, P]); its keys and values are shared (broadcast) by the
-    completions, which run in length buckets, each padded only to its own longest
-    row. Completion token j is predicted from position P - 1 + j: the prompt's last
-    position for j = 0, then the completion's own positions. Positions at or past a
-    row's length are returned as 0, and so are positions off `mask` (numpy [G, C] bool,
-    or None for all) when the head skips them (see _head_logprobs_at).
-    """
-    g, c = completions.shape
-    cache = [_PrefixCache() for _ in model.layers]
-    h_last = model.model(prompt[None], cache=cache)[:, -1:]
-    parts, rows = [], []
-    for bucket in length_buckets(lengths):
-        n, cb = len(bucket), max(lengths[i] for i in bucket)
-        if n == g:
-            bucket = list(range(g))  # the whole group, in order: no gather
-        tokens = completions[mx.array(bucket)] if n < g else completions
-        first = mx.broadcast_to(h_last, (n, 1, h_last.shape[-1]))
-        if cb > 1:
-            h = model.model(tokens[:, : cb - 1], cache=[pc.shared(n) for pc in cache])
-            first = mx.concatenate([first, h], axis=1)
-        on = None if mask is None else mask[bucket, :cb]
-        if on is not None and on.mean() < SPARSE_HEAD_SHARE:
-            lp, ent = _head_logprobs_at(head, first, tokens[:, :cb], on, chunk_floats, vocab)
-        else:
-            lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab)
-        if cb < c:
-            lp, ent = mx.pad(lp, [(0, 0), (0, c - cb)]), mx.pad(ent, [(0, 0), (0, c - cb)])
-        parts.append((lp, ent))
-        rows += bucket
-    if len(rows) < g:  # rows with nothing in the loss
-        parts.append((mx.zeros((g - len(rows), c)), mx.zeros((g - len(rows), c))))
-        done = set(rows)
-        rows += [i for i in range(g) if i not in done]
-    lp = mx.concatenate([p[0] for p in parts], axis=0)
-    ent = mx.concatenate([p[1] for p in parts], axis=0)
-    if rows != list(range(g)):
-        back = mx.array(np.argsort(rows))
-        lp, ent = lp[back], ent[back]
-    return lp, ent
-
-
-def _head_logprobs(head, hidden, targets, chunk_floats, vocab):
-    """Log-probs and entropies from hidden states, in row chunks of at most
-    `chunk_floats` logits that are recomputed in the backward pass (mx.checkpoint)."""
-    n, c = targets.shape
-
-    def chunk(h, y):
-        return _logprobs_of(head(h), y)
-
-    rows = max(1, chunk_floats // max(1, c * vocab))
-    if rows >= n:
-        return chunk(hidden, targets)
-    fn = mx.checkpoint(chunk)
-    parts = [fn(hidden[i : i + rows], targets[i : i + rows]) for i in range(0, n, rows)]
-    return (
-        mx.concatenate([p[0] for p in parts], axis=0),
-        mx.concatenate([p[1] for p in parts], axis=0),
-    )
-
-
-# Below this share of loss positions in a bucket, the output head runs only on those
-# positions: in a multi-turn episode most positions are the environment's observations,
-# and the head (a vocab-sized matmul and log-softmax per position) would dominate.
-SPARSE_HEAD_SHARE = 0.5
-
-
-def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab):
-    """_head_logprobs at the positions where `on` ([n, c] numpy bool) is set, 0 elsewhere:
-    the hidden states there are gathered into one [M, 1] batch, and the results are
-    gathered back (the backward pass scatters their gradients to the same positions)."""
-    n, c = targets.shape
-    flat = np.flatnonzero(on.reshape(-1))
-    m = len(flat)
-    if m == 0:
-        return mx.zeros((n, c)), mx.zeros((n, c))
-    pick = mx.array(flat)
-    h = hidden.reshape(n * c, -1)[pick][:, None]
-    lp, ent = _head_logprobs(head, h, targets.reshape(-1)[pick][:, None], chunk_floats, vocab)
-    back = np.full(n * c, m)  # off-mask positions read the trailing 0
-    back[flat] = np.arange(m)
-    back = mx.array(back)
-    zero = mx.zeros((1,))
-    return (
-        mx.concatenate([lp[:, 0], zero])[back].reshape(n, c),
-        mx.concatenate([ent[:, 0], zero])[back].reshape(n, c),
-    )
-
-
-def effective_lengths(mask: mx.array) -> list[int]:
-    """Per row, one past the last position whose mask is set (0 for an empty row):
-    later positions cannot affect the loss (the attention is causal)."""
-    m = np.array(mask) > 0
-    last = m.shape[1] - np.argmax(m[:, ::-1], axis=1)
-    return np.where(m.any(axis=1), last, 0).tolist()
-
-
-def completion_logprobs(
-    model: nn.Module,
-    prompts: list[mx.array],
-    completions: mx.array,
-    chunk_floats: int = 1 << 24,
-    lengths: list[int] | None = None,
-    mask: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
-    """Log-probs and entropies of the completion tokens, [N, C] each.
-
-    `prompts` holds the B prompts (1-D token arrays); `completions` is [N, C] with
-    N = B * G, group b in rows b*G..(b+1)*G-1, right-padded (padding sits after the
-    tokens it could affect, so the causal mask keeps it out). `lengths` (default: C
-    for every row) says how many leading positions of each row are needed; the rest
-    are returned as 0 and cost nothing. Each prompt is run once for its whole group,
-    completions run in buckets of similar length, and logits are computed only at the
-    positions that predict completion tokens, in row chunks of at most `chunk_floats`
-    logits that are recomputed in the backward pass (mx.checkpoint). With `mask` ([N, C],
-    the loss mask), the lengths come from it and, where the mask is sparse (the
-    environment's tokens of a multi-turn episode), logits are computed only at its
-    positions; log-probs and entropies off the mask are then 0.
-    """
-    n, c = completions.shape
-    g = n // len(prompts)
-    if g * len(prompts) != n:
-        raise ValueError(f"{n} completions do not split into {len(prompts)} groups")
-
-    if not _splittable(model):  # any other architecture: full sequences, full logits
-        return _full_sequence_logprobs(model, prompts, completions, g)
-
-    head = _output_head(model)
-    on = None if mask is None else np.array(mask) > 0
-    if lengths is None:
-        lengths = [c] * n if mask is None else effective_lengths(mask)
-    lengths = [min(int(x), c) for x in lengths]
-    vocab = _vocab_size(model, head, completions)
-    parts = [
-        _group_logprobs(
-            model,
-            head,
-            p,
-            completions[b * g : (b + 1) * g],
-            lengths[b * g : (b + 1) * g],
-            chunk_floats,
-            vocab,
-            None if on is None else on[b * g : (b + 1) * g],
-        )
-        for b, p in enumerate(prompts)
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    return (
-        mx.concatenate([p[0] for p in parts], axis=0),
-        mx.concatenate([p[1] for p in parts], axis=0),
-    )
-
-
-def _full_sequence_logprobs(model, prompts, completions, g):
-    n, c = completions.shape
-    rows = [mx.concatenate([prompts[i // g], completions[i]]) for i in range(n)]
-    t = max(r.shape[0] for r in rows)
-    tokens = mx.stack([mx.pad(r, (0, t - r.shape[0])) for r in rows])
-    starts = mx.array([prompts[i // g].shape[0] - 1 for i in range(n)])
-    pos = starts[:, None] + mx.arange(c)[None, :]
-    logits = mx.take_along_axis(model(tokens), pos[..., None], axis=1)
-    return _logprobs_of(logits, completions)
-
-
-def _vocab_size(model: nn.Module, head, completions: mx.array) -> int:
-    args = getattr(model, "args", None)
-    if args is not None and getattr(args, "vocab_size", None):
-        return int(args.vocab_size)
-    return int(model(completions[:1, :1]).shape[-1])
 
 
 @dataclass

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_grpo.runfolder import RunFolder
+
 
 class PlotError(ValueError):
     """A run folder that cannot be plotted; one line."""
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = RunFolder(run_dir).metrics_file
     if not path.exists():
         raise PlotError(f"{path}: not found (is {run_dir} a run folder?)")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -47,7 +49,7 @@ def _smooth(v: np.ndarray, width: int) -> np.ndarray:
 def held_out(run_dir: Path, rows: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Held-out figures by step: from eval.jsonl when the run has one (it also holds the
     evaluation before training, step 0), else the eval/ keys of metrics.jsonl."""
-    path = run_dir / "eval.jsonl"
+    path = RunFolder(run_dir).eval_file
     if path.exists():
         from mlx_grpo.evaluate import TaskResult, summarize
 

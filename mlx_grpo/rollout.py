@@ -14,7 +14,7 @@ its group's shared prompt cache.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import mlx.core as mx
@@ -58,7 +58,6 @@ class Rollout:
     group_size: int
     seconds: float = 0.0
     prefill_seconds: float = 0.0
-    stats: dict = field(default_factory=dict)
 
     @property
     def generated_tokens(self) -> int:

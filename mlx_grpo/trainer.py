@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,21 +15,22 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_grpo.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from mlx_grpo.config import OptimizerConfig, RunConfig
+from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
-    completion_logprobs,
     group_advantages,
     grpo_loss,
     zero_variance_groups,
 )
 from mlx_grpo.log import JsonlWriter, truncate_jsonl
+from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled
 from mlx_grpo.recipe import Recipe, Scored, Task
 from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
+from mlx_grpo.runfolder import RunFolder
 
 
 class TrainingError(RuntimeError):
@@ -98,6 +99,36 @@ class Counters:
     warned: list[str] = field(default_factory=list)
 
 
+@dataclass
+class CompletionRecord:
+    """One completion as a step's metrics, the curriculum, the samples log and the
+    other ranks see it (ranks exchange these as JSON)."""
+
+    reward: float
+    components: dict[str, float]
+    error: str | None
+    failure: str | None
+    truncated: bool
+    tokens: int  # the model's own tokens
+    turns: int | None  # episode turns (multi-turn recipes)
+    text: str | None = None  # only on steps whose samples are logged
+    finish_reason: str | None = None
+
+    @classmethod
+    def of(cls, completion, scored: Scored, with_text: bool) -> CompletionRecord:
+        return cls(
+            reward=scored.reward,
+            components=scored.components,
+            error=scored.error,
+            failure=scored.failure,
+            truncated=completion.truncated,
+            tokens=completion.model_tokens,
+            turns=completion.episode.turns if completion.episode is not None else None,
+            text=completion.text if with_text else None,
+            finish_reason=completion.finish_reason if with_text else None,
+        )
+
+
 def _zero_signal_cause(rewards: np.ndarray, truncated: np.ndarray, best: float) -> str:
     """The likely reason why every group's rewards were equal (`best`: the recipe's
     best reward)."""
@@ -128,13 +159,18 @@ def train(
     evaluate_fn: Callable[[int, dict], dict] | None = None,
     info: Callable[[str], None] = print,
     dist: Dist | None = None,
+    rollout_fn: Callable[..., Rollout] | None = None,
+    loss: Callable | None = None,
 ) -> list[dict]:
     """Run GRPO from step 0 (or from `resume_from`) to `cfg.train.steps`.
 
     Returns this call's per-step metrics. `callback(step, metrics)` sees each step's
     metrics after they are logged; `say` receives warnings and `info` notes; `evaluate_fn()`
     returns held-out metrics before training and every `train.eval_every` steps
-    (`evaluate_fn(step, extra)`).
+    (`evaluate_fn(step, extra)`). The parts of a step can be swapped: `rollout_fn` samples
+    the groups (default `rollout.rollout_tasks`, same signature) and `loss(model, batch,
+    grpo_cfg) -> (loss, metrics)` is what the update differentiates (default
+    `grpo.grpo_loss`).
 
     Under `mlx.launch` (`dist.size > 1`) every rank runs this loop: all draw the same
     tasks, each rolls out and scores its share of the groups, rewards are gathered so
@@ -154,17 +190,17 @@ def train(
         say = _silent
     counters = Counters()
     start = 0
-    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
-    samples_log = JsonlWriter(run_dir / "samples.jsonl")
+    run = RunFolder(run_dir)
+    metrics_log = JsonlWriter(run.metrics_file)
+    samples_log = JsonlWriter(run.samples_file)
     if resume_from is not None:
         st = _resume(dist, resume_from, model, optimizer)
         start = st.step
         counters = Counters(**st.counters)
         curriculum.load_state_dict(st.curriculum)
         if main:
-            truncate_jsonl(run_dir / "metrics.jsonl", start)
-            truncate_jsonl(run_dir / "samples.jsonl", start)
-            truncate_jsonl(run_dir / "eval.jsonl", start)
+            for log in run.logs:
+                truncate_jsonl(log, start)
     elif dist.size > 1:  # same adapters everywhere even if the ranks' RNGs differ
         sent = dist.broadcast_arrays(_adapters(model) if main else None)
         model.load_weights(list(sent.items()), strict=False)
@@ -177,7 +213,9 @@ def train(
         }
         info(f"held-out before training: {shown}")
 
-    loss_and_grad = nn.value_and_grad(model, lambda m, batch: grpo_loss(m, batch, cfg.grpo))
+    rollout_fn = rollout_fn or rollout_tasks
+    loss = loss or grpo_loss
+    loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
     history: list[dict] = []
 
     for step in range(start + 1, cfg.train.steps + 1):
@@ -194,7 +232,7 @@ def train(
         keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
 
         model.eval()
-        rollout = rollout_tasks(
+        rollout = rollout_fn(
             model,
             tokenizer,
             recipe,
@@ -210,9 +248,9 @@ def train(
         tic = time.perf_counter()
         shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
         gather_s = time.perf_counter() - tic
-        records = [r for sh in shares for r in sh["records"]]
-        rewards = np.array([r["reward"] for r in records], dtype=np.float32)
-        errors = [r["error"] for r in records if r["error"]]
+        records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
+        rewards = np.array([r.reward for r in records], dtype=np.float32)
+        errors = [r.error for r in records if r.error]
         counters.reward_errors += len(errors)
         if errors:
             say(f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}")
@@ -329,21 +367,25 @@ def _resume(dist: Dist, step_dir: Path, model, optimizer) -> TrainState:
 def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> dict:
     """What a rank reports about its groups: per completion, what the metrics, the
     curriculum and the advantages need (and the text when samples are written)."""
-    records = []
-    for c, s in zip(rollout.completions, scored):
-        r = {
-            "reward": s.reward,
-            "components": s.components,
-            "error": s.error,
-            "failure": s.failure,
-            "truncated": c.truncated,
-            "tokens": c.model_tokens,
-            "turns": c.episode.turns if c.episode is not None else None,
-        }
-        if with_text:
-            r.update(text=c.text, finish_reason=c.finish_reason)
-        records.append(r)
+    records = [
+        asdict(CompletionRecord.of(c, s, with_text)) for c, s in zip(rollout.completions, scored)
+    ]
     return {"records": records, "tokens": rollout.generated_tokens, "seconds": rollout.seconds}
+
+
+def reference_pass(model, batch: LossInputs, grpo: GRPOConfig) -> None:
+    """Fill in the log-probs the loss compares against: the reference policy's (the
+    adapters switched off) when the KL term is on, and the sampling policy's when
+    several updates reuse one rollout. Both are constants of the update."""
+    need = [batch.prompts, batch.completions, grpo.logits_chunk]
+    if grpo.beta > 0:
+        with adapters_disabled(model):
+            lp = completion_logprobs(model, *need, mask=batch.mask)[0]
+            batch.ref_logprobs = mx.stop_gradient(lp)
+    if grpo.num_iterations > 1:
+        lp = completion_logprobs(model, *need, mask=batch.mask)[0]
+        batch.old_logprobs = mx.stop_gradient(lp)
+    mx.eval(batch.ref_logprobs, batch.old_logprobs)
 
 
 def _update(
@@ -364,15 +406,7 @@ def _update(
     `batch` is this rank's share (None when all its groups were left out: it still
     joins every exchange, with zero gradients)."""
     if batch is not None:
-        need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk]
-        if cfg.grpo.beta > 0:
-            with adapters_disabled(model):
-                lp = completion_logprobs(model, *need, mask=batch.mask)[0]
-                batch.ref_logprobs = mx.stop_gradient(lp)
-        if cfg.grpo.num_iterations > 1:
-            lp = completion_logprobs(model, *need, mask=batch.mask)[0]
-            batch.old_logprobs = mx.stop_gradient(lp)
-        mx.eval(batch.ref_logprobs, batch.old_logprobs)
+        reference_pass(model, batch, cfg.grpo)
     if dist.size > 1:
         # Every rank divides by the whole batch's counts (see grpo.aggregate).
         tokens = dist.all_sum(batch.mask.sum() if batch is not None else mx.array(0.0)).item()
@@ -430,14 +464,14 @@ def _update(
 def _step_metrics(
     step: int,
     shares: list[dict],
-    records: list[dict],
+    records: list[CompletionRecord],
     rewards: np.ndarray,
     advantages: mx.array,
     zero_var: np.ndarray,
     it_metrics: list[dict],
     generated: int,
 ) -> dict:
-    lens = np.array([r["tokens"] for r in records])
+    lens = np.array([r.tokens for r in records])
     seconds = max(sh["seconds"] for sh in shares)  # the slowest rank's rollout
     out = {
         "step": step,
@@ -446,20 +480,20 @@ def _step_metrics(
         "advantage/abs_mean": float(mx.abs(advantages).mean().item()),
         "groups/zero_variance_frac": float(zero_var.mean()),
         "completion/len_mean": float(lens.mean()),
-        "completion/truncated_frac": float(np.mean([r["truncated"] for r in records])),
+        "completion/truncated_frac": float(np.mean([r.truncated for r in records])),
         "rollout/tokens": generated,
         "rollout/tokens_per_s": generated / max(seconds, 1e-9),
         "time/rollout_s": seconds,
     }
-    turns = [r["turns"] for r in records if r["turns"] is not None]
+    turns = [r.turns for r in records if r.turns is not None]
     if turns:
         out["episode/turns_mean"] = float(np.mean(turns))
     # Every component any completion has: a completion whose reward raised has none.
-    for name in dict.fromkeys(k for r in records for k in r["components"]):
-        out[f"reward/{name}"] = float(np.mean([r["components"].get(name, 0.0) for r in records]))
+    for name in dict.fromkeys(k for r in records for k in r.components):
+        out[f"reward/{name}"] = float(np.mean([r.components.get(name, 0.0) for r in records]))
     # Why completions failed, as the reward named it (sandbox limits, wrong answers...).
-    for reason in sorted({r["failure"] for r in records if r["failure"]}):
-        out[f"fail/{reason}"] = sum(r["failure"] == reason for r in records)
+    for reason in sorted({r.failure for r in records if r.failure}):
+        out[f"fail/{reason}"] = sum(r.failure == reason for r in records)
     for key in it_metrics[0] if it_metrics else ():  # averaged over num_iterations updates
         out[key] = float(np.mean([m[key] for m in it_metrics]))
     return out
@@ -469,7 +503,7 @@ def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg
     if zero_var.all():
         counters.zero_signal_streak += 1
         if counters.zero_signal_streak == cfg.train.zero_signal_warn_steps:
-            truncated = np.array([r["truncated"] for r in records])
+            truncated = np.array([r.truncated for r in records])
             best = sum(w for w in cfg.recipe.weights.values() if w > 0) or 1.0
             cause = _zero_signal_cause(rewards, truncated, best)
             say(
@@ -489,18 +523,18 @@ def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg
 
 
 def _write_samples(
-    log: JsonlWriter, step: int, tasks: list[Task], records: list[dict], group_size: int
+    log: JsonlWriter, step: int, tasks: list[Task], records: list[CompletionRecord], group_size: int
 ) -> None:
     for i, r in enumerate(records):
         log.write(
             {
                 "step": step,
                 "task": tasks[i // group_size].id,
-                "completion": r["text"],
-                "finish_reason": r["finish_reason"],
-                "reward": r["reward"],
-                "components": r["components"],
-                **({"error": r["error"]} if r["error"] else {}),
-                **({"failure": r["failure"]} if r["failure"] else {}),
+                "completion": r.text,
+                "finish_reason": r.finish_reason,
+                "reward": r.reward,
+                "components": r.components,
+                **({"error": r.error} if r.error else {}),
+                **({"failure": r.failure} if r.failure else {}),
             }
         )

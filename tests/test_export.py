@@ -33,12 +33,12 @@ from mlx_grpo.config import LoRAConfig, RunConfig
 from mlx_grpo.export import (
     ExportError,
     export,
-    model_card,
     peft_weights,
     push_to_hub,
     read_run,
     target_modules,
 )
+from mlx_grpo.model_card import model_card
 from mlx_grpo.models import adapter_config, adapters_disabled, apply_lora, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,16 +11,18 @@ from mlx.utils import tree_flatten
 
 from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.grpo import (
-    SPARSE_HEAD_SHARE,
     LossInputs,
-    _full_sequence_logprobs,
-    _splittable,
     aggregate,
-    completion_logprobs,
     group_advantages,
     grpo_loss,
     per_token_loss,
     zero_variance_groups,
+)
+from mlx_grpo.logprobs import (
+    SPARSE_HEAD_SHARE,
+    _full_sequence_logprobs,
+    _splittable,
+    completion_logprobs,
 )
 from mlx_grpo.models import adapters_disabled, adapters_folded, apply_lora, trainable_count
 
@@ -365,7 +367,7 @@ def test_folded_adapters_sample_the_same_policy_and_unfold_exactly(tiny):
 def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch):
     """Completions run in length buckets (each padded to its own longest row) give the
     log-probs and gradients of one padded batch at every position that counts."""
-    import mlx_grpo.grpo as grpo
+    import mlx_grpo.logprobs as logprobs
 
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=6)
@@ -374,10 +376,10 @@ def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch)
     lens = lens.copy()
     lens[5] = 0  # a row with nothing in the loss
     mask = mx.array((np.arange(comp.shape[1])[None] < lens[:, None]).astype(np.float32))
-    assert grpo.effective_lengths(mask) == lens.tolist()
+    assert logprobs.effective_lengths(mask) == lens.tolist()
     weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
-    monkeypatch.setattr(grpo, "BUCKET_OVERHEAD_POSITIONS", 0)  # one bucket per length
-    assert len(grpo.length_buckets(lens[:4].tolist())) == len(set(lens[:4].tolist()))
+    monkeypatch.setattr(logprobs, "BUCKET_OVERHEAD_POSITIONS", 0)  # one bucket per length
+    assert len(logprobs.length_buckets(lens[:4].tolist())) == len(set(lens[:4].tolist()))
 
     def run(lengths):
         def f(m):

@@ -22,11 +22,14 @@ def test_docstring_examples():
     import doctest
 
     import mlx_grpo.sandbox
+    import mlx_grpo.stats
     import mlx_grpo.textstats
     import rewards.code
 
-    for module in (replies, rewards.code, mlx_grpo.textstats, mlx_grpo.sandbox):
-        assert doctest.testmod(module).failed == 0, module.__name__
+    modules = (replies, rewards.code, mlx_grpo.textstats, mlx_grpo.sandbox, mlx_grpo.stats)
+    for module in modules:
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
 
 
 def test_posts_split_and_levels(recipe):

@@ -235,13 +235,15 @@ def test_no_signal_warning_names_the_likely_cause():
 
 def test_step_metrics_log_every_component_even_when_the_first_reward_raised():
     def record(components, failure=None):
-        return {
-            "tokens": 3,
-            "truncated": False,
-            "turns": None,
-            "components": components,
-            "failure": failure,
-        }
+        return trainer_mod.CompletionRecord(
+            reward=0.0,
+            components=components,
+            error=None,
+            failure=failure,
+            truncated=False,
+            tokens=3,
+            turns=None,
+        )
 
     records = [
         record({}, "error"),

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-import rewards.web_browsing as web_rewards
+import rewards.web as web_rewards
 from mlx_grpo.config import build_config
 from mlx_grpo.env import Episode, StepResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults

@@ -278,7 +278,7 @@ def op_split(s: Shapes, prompt_lens, comp_lens, group, sampler, reps: int = 3) -
     out["decode"] = acc
     # update: per group, the prompt once, then its completions in length buckets (as
     # mlx_grpo.grpo runs them), each padded to its longest row, on the shared cache
-    from mlx_grpo.grpo import length_buckets
+    from mlx_grpo.logprobs import length_buckets
 
     for phase, grad in (("ref_forward", False), ("policy_fwd_bwd", True)):
         acc = {}
@@ -295,10 +295,11 @@ def op_split(s: Shapes, prompt_lens, comp_lens, group, sampler, reps: int = 3) -
 
 def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> dict:
     """Each phase of one step alone on `rollout` (seconds), and its op-class estimate."""
-    from mlx_grpo.grpo import completion_logprobs, effective_lengths, group_advantages, grpo_loss
+    from mlx_grpo.grpo import group_advantages, grpo_loss
+    from mlx_grpo.logprobs import completion_logprobs, effective_lengths
     from mlx_grpo.models import adapters_disabled
     from mlx_grpo.rollout import _prefill, make_rollout_sampler
-    from mlx_grpo.trainer import build_loss_inputs
+    from mlx_grpo.trainer import build_loss_inputs, reference_pass
 
     g = rollout.group_size
     prompts = rollout.prompts
@@ -318,9 +319,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
         with adapters_disabled(model):
             mx.eval(completion_logprobs(model, *need)[0])
 
-    with adapters_disabled(model):
-        batch.ref_logprobs = mx.stop_gradient(completion_logprobs(model, *need)[0])
-    mx.eval(batch.ref_logprobs)
+    reference_pass(model, batch, cfg.grpo)
     loss_and_grad = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg.grpo))
     grads_box = {}
 

@@ -142,7 +142,6 @@ def main(argv=None) -> None:
                 work=work,
             )
 
-        _capture_rollouts(captured)
         run_dir = Path(out_dir) / "bench"
         run_dir.mkdir(parents=True)
         train(
@@ -156,6 +155,7 @@ def main(argv=None) -> None:
             {},
             callback=on_step,
             say=lambda s: None,
+            rollout_fn=_capturing(captured),
         )
         extra = {
             "trainable_params": trainable_count(model),
@@ -171,17 +171,15 @@ def main(argv=None) -> None:
         wu.emit(clock.result("mlx-grpo", mlx_grpo.__version__, **extra))
 
 
-def _capture_rollouts(captured: dict) -> None:
-    """Keep the latest rollout the training loop makes (for the phase profile)."""
-    import mlx_grpo.trainer as trainer
-
-    real = trainer.rollout_tasks
+def _capturing(captured: dict):
+    """The trainer's rollout, keeping the latest one (for the phase profile)."""
+    from mlx_grpo.rollout import rollout_tasks
 
     def keep(*a, **k):
-        captured["rollout"] = real(*a, **k)
+        captured["rollout"] = rollout_tasks(*a, **k)
         return captured["rollout"]
 
-    trainer.rollout_tasks = keep
+    return keep
 
 
 if __name__ == "__main__":

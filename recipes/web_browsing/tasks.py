@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from mlx_grpo.recipe import Task
 from recipes.web_browsing.browser import WebEnv
 from recipes.web_browsing.families import NEEDED, make_spec
-from recipes.web_browsing.page import VERBS
+from recipes.web_browsing.page import VERBS, syntax_error
 from recipes.web_browsing.sites import BRANDS, site_fingerprint
-from rewards.web_browsing import reward  # noqa: F401  (the recipe's reward)
+from rewards.web import components
 
 LEVELS: dict[int, tuple[tuple[str, int], ...]] = {
     1: (("click", 1),),
@@ -183,3 +183,8 @@ def make_env(task: Task) -> WebEnv:
     """The task's browser, built from its payload alone."""
     p = task.payload
     return WebEnv(p["site"], p["goal"], p["conditions"], p["max_steps"], p["keep"])
+
+
+def reward(task: Task, episode) -> dict[str, float]:
+    """The shared web components (rewards/web.py), judging format by this grammar."""
+    return components(task, episode, syntax_error)

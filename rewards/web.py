@@ -1,4 +1,7 @@
-"""Rewards for web_browsing episodes (recipes/web_browsing).
+"""Reward components shared by web-agent recipes (recipes/web_browsing; any recipe whose
+environment follows `mlx_grpo.env.Env` and whose `outcome()` gives success and progress).
+The recipe brings its own action grammar as `syntax_error(reply) -> reason | None`, so
+rewards never import a recipe.
 
 Components, each in [0, 1]:
 
@@ -14,14 +17,18 @@ Components, each in [0, 1]:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mlx_grpo.env import Episode, StepResult
-from recipes.web_browsing.page import syntax_error
+
+SyntaxCheck = Callable[[str], "str | None"]
 
 
-def format_share(replies: list[str]) -> float:
+def format_share(replies: list[str], syntax_error: SyntaxCheck) -> float:
     """Share of replies that are exactly one well-formed action.
 
-    >>> format_share(['click "Save" [3]', 'Click [3] button "Save"', " back\\n"])
+    >>> one_word = lambda r: None if r.strip().isalpha() else "one word"
+    >>> format_share(["click", "click [3] now", " back\\n"], one_word)
     0.6666666666666666
     """
     return sum(syntax_error(r) is None for r in replies) / len(replies) if replies else 0.0
@@ -48,13 +55,13 @@ def efficiency(success: bool, shortest: int, steps: int) -> float:
     return min(1.0, shortest / steps) if success and steps else 0.0
 
 
-def reward(task, episode: Episode) -> dict[str, float]:
-    """Components for one episode of a web_browsing task."""
+def components(task, episode: Episode, syntax_error: SyntaxCheck) -> dict[str, float]:
+    """The components for one episode (`task.payload["solution"]`: a shortest solution)."""
     outcome = episode.env.outcome()
     return {
         "success": float(outcome.success),
         "progress": outcome.progress,
-        "format": format_share(episode.actions),
+        "format": format_share(episode.actions, syntax_error),
         "validity": validity_share(episode.results),
         "efficiency": efficiency(outcome.success, len(task.payload["solution"]), episode.turns),
     }

@@ -1,0 +1,165 @@
+"""The layout of a run folder, in one place (no MLX: compare, export and plot read runs
+without loading a model).
+
+    checkpoints/<run>/
+      config.json                 the run's full config
+      adapters.safetensors        latest adapters  } mlx_lm.load(model, adapter_path=<run>)
+      adapter_config.json                          }
+      latest                      {"step_dir", "step"} of the newest complete step folder
+      step-000020/                adapters, adapter_config.json, optimizer.safetensors,
+                                  state.json (step, counters, curriculum)
+      .tmp-step-000020/           a step folder being written (renamed when complete)
+      metrics.jsonl, samples.jsonl, eval.jsonl
+      compare.json                the last `python -m mlx_grpo.compare` with this run as B
+      export-<format>/            `python -m mlx_grpo export` output
+
+A checkpoint is named on the command line as the run folder (its latest step), one of
+its step folders, or `RUN@step-000020` / `RUN@20`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+STEP_PREFIX = "step-"
+
+
+def step_name(step: int) -> str:
+    """20 -> 'step-000020'."""
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """'step-000020' -> 20; None for any other name. Read from the name alone, so that
+    ranks without a copy of the folder agree on it."""
+    tail = name[len(STEP_PREFIX) :] if name.startswith(STEP_PREFIX) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A run folder <output.dir>/<run>/. Constructing one touches no file."""
+
+    path: Path
+
+    CONFIG = "config.json"
+    ADAPTERS = "adapters.safetensors"
+    ADAPTER_CONFIG = "adapter_config.json"
+    OPTIMIZER = "optimizer.safetensors"
+    STATE = "state.json"
+    LATEST = "latest"
+    METRICS = "metrics.jsonl"
+    SAMPLES = "samples.jsonl"
+    EVAL = "eval.jsonl"
+    COMPARE = "compare.json"
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / self.CONFIG
+
+    @property
+    def adapters_file(self) -> Path:
+        return self.path / self.ADAPTERS
+
+    @property
+    def latest_file(self) -> Path:
+        return self.path / self.LATEST
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / self.METRICS
+
+    @property
+    def samples_file(self) -> Path:
+        return self.path / self.SAMPLES
+
+    @property
+    def eval_file(self) -> Path:
+        return self.path / self.EVAL
+
+    @property
+    def compare_file(self) -> Path:
+        return self.path / self.COMPARE
+
+    @property
+    def logs(self) -> tuple[Path, Path, Path]:
+        """The per-step logs a resumed run cuts back to its checkpoint's step."""
+        return self.metrics_file, self.samples_file, self.eval_file
+
+    def export_dir(self, fmt: str) -> Path:
+        return self.path / f"export-{fmt}"
+
+    def step_dir(self, step: int) -> Path:
+        return self.path / step_name(step)
+
+    def tmp_step_dir(self, step: int) -> Path:
+        return self.path / f".tmp-{step_name(step)}"
+
+    def step_dirs(self, complete: bool = True) -> list[Path]:
+        """Step folders by step; `complete`: only those holding their state.json."""
+        dirs = (p for p in self.path.glob(f"{STEP_PREFIX}*") if p.is_dir())
+        return sorted(p for p in dirs if not complete or (p / self.STATE).exists())
+
+    def latest_step_dir(self) -> Path | None:
+        """The newest complete step folder (from `latest`, else by name), or None."""
+        try:
+            cand = self.path / json.loads(self.latest_file.read_text())["step_dir"]
+            if (cand / self.STATE).exists():
+                return cand
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        dirs = self.step_dirs()
+        return dirs[-1] if dirs else None
+
+    def find_step(self, ref: str) -> Path | None:
+        """The step folder `ref` names ('20' or 'step-000020'), if it exists."""
+        name = step_name(int(ref)) if ref.isdigit() else ref
+        folder = self.path / name
+        return folder if name.startswith(STEP_PREFIX) and folder.is_dir() else None
+
+    def write_config(self, cfg) -> None:
+        """config.json from a pydantic RunConfig."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text(cfg.model_dump_json(indent=2) + "\n")
+
+    @classmethod
+    def is_run(cls, path: Path) -> bool:
+        """A run folder's config.json is a whole run config (a model's is not)."""
+        try:
+            config = json.loads((Path(path) / cls.CONFIG).read_text())
+            return isinstance(config, dict) and isinstance(config.get("model"), dict)
+        except (OSError, ValueError):
+            return False
+
+    @classmethod
+    def holding(cls, path: Path) -> tuple[RunFolder, Path] | None:
+        """(the run, the folder with the adapters) for a run folder or one of its step
+        folders; None for anything else."""
+        path = Path(path)
+        if step_of(path.name) is not None and cls.is_run(path.parent):
+            return cls(path.parent), path
+        if cls.is_run(path):
+            return cls(path), path
+        return None
+
+    @classmethod
+    def saved_step(cls, folder: Path) -> int | None:
+        """The step a step folder (its state.json) or a run folder (its `latest`)
+        holds, or None when there is none to read."""
+        name = cls.STATE if Path(folder).name.startswith(STEP_PREFIX) else cls.LATEST
+        try:
+            return int(json.loads((Path(folder) / name).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
