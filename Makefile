@@ -54,7 +54,7 @@ test: $(STAMP) $(PARITY_STAMP)
 # Curriculum strategies at an equal rollout-token budget (hours on a 2-core CPU; minutes
 # on a Mac). Options: BENCH_ARGS="--seeds 0,1 --token-budget 8000 ..." (see the module).
 bench-curriculum: $(STAMP)
-	$(PY) -m mlx_grpo.bench_curriculum $(BENCH_ARGS)
+	$(PY) -m mlx_grpo.bench.curriculum $(BENCH_ARGS)
 
 parity-env: $(PARITY_STAMP)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -481,9 +482,11 @@ def choose(env=os.environ) -> tuple[Blas, str | None]:
 def use_fast_blas() -> Blas | None:
     """On Linux, before the first `import mlx`: choose a BLAS (module doc) and load it
     globally. Returns the choice, or None where there is nothing to choose (another
-    OS, or mlx already imported)."""
+    OS, mlx already imported, or not installed)."""
     if _state["blas"] is not None or sys.platform != "linux" or "mlx.core" in sys.modules:
         return _state["blas"]
+    if importlib.util.find_spec("mlx") is None:  # e.g. the bench's PyTorch peer
+        return None
     blas, warning = choose()
     if blas.path is not None:
         try:

@@ -40,7 +40,7 @@ from mlx_grpo.recipe import Task
 
 
 class Curriculum(Protocol):
-    """What the trainer asks of a task selector (bench_peers' FixedOrder is another)."""
+    """What the trainer asks of a task selector (the speed bench's FixedOrder is another)."""
 
     oversample: float  # groups rolled out per group trained (filter: > 1)
 

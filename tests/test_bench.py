@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_grpo import bench_peers as wu
-from mlx_grpo.bench_peers.opclass import floor_seconds, step_work
+from mlx_grpo.bench import work_unit as wu
+from mlx_grpo.bench.floor import floor_seconds, step_work
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_step_work_counts_flops_by_hand():
     class Model:
         args = Args()
 
-    from mlx_grpo.bench_peers.opclass import Shapes
+    from mlx_grpo.bench.floor import Shapes
 
     s = Shapes(Model(), lora_rank=1)
     assert s.block_params == 4 * 4 + 3 * 8  # q, k, v, o (2x2) + gate, up, down (2x4)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from mlx_grpo.bench_curriculum import Curve, analyse, read_curve
+from mlx_grpo.bench.curriculum import Curve, analyse, read_curve
 
 
 def _curve(tokens, finals_by_eval):

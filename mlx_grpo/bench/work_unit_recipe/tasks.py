@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlx_grpo import bench_peers
+from mlx_grpo.bench import work_unit
 from mlx_grpo.recipe import Task
 
 
@@ -14,9 +14,9 @@ def make_tasks(split: str, n: int, seed: int) -> list[Task]:
             messages=[{"role": "user", "content": t["prompt"]}],
             payload={"answer": t["answer"]},
         )
-        for i, t in enumerate(bench_peers.tasks()[:n])
+        for i, t in enumerate(work_unit.tasks()[:n])
     ]
 
 
 def reward(task: Task, completion: str) -> float:
-    return bench_peers.reward(completion, task.payload["answer"])
+    return work_unit.reward(completion, task.payload["answer"])

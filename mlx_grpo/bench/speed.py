@@ -5,7 +5,7 @@ one fixed GRPO work unit, side by side in one run, and against the machine's flo
     python -m mlx_grpo.bench --smoke         # one step of mlx-grpo only (+ its profile)
     python -m mlx_grpo.bench --systems mlx-grpo,trl --steps 3 --no-scaling
 
-The work unit (mlx_grpo/bench_peers/__init__.py): SmolLM2-135M-Instruct in float32
+The work unit (mlx_grpo/bench/work_unit.py): SmolLM2-135M-Instruct in float32
 (the embedded model, dequantized; exported once to an HF folder for the peers), 2
 prompts x 8 completions, 64 new tokens, temperature 0.8, top-p 0.95, top-k 20, LoRA r8
 scale 10 on every linear layer, beta 0.04, lr 1e-5, loss `grpo`, one update per rollout,
@@ -17,7 +17,7 @@ times. Reported per system: median step time without the first step, rollout tim
 tokens/s, the rest of the step ("update": reference and policy passes, optimizer,
 scoring), the time from process start to the end of the first step, and peak RSS.
 Then mlx-grpo's step against the floor (GEMM rate and memory bandwidth measured in
-the same run; mlx_grpo/bench_peers/opclass.py), split by phase and op class, and
+the same run; mlx_grpo/bench/floor.py), split by phase and op class, and
 mlx-grpo's scaling in G and new tokens. Results go to bench/results/<date>.json
 (+ .md) and the terminal. The machines are noisy: read the ratios, not the seconds.
 """
@@ -36,9 +36,11 @@ import time
 from pathlib import Path
 
 from mlx_grpo._paths import cache_root
-from mlx_grpo.bench_peers import RESULT_TAG
+from mlx_grpo.bench.work_unit import RESULT_TAG
 
-ROOT = Path(__file__).resolve().parent.parent
+# The folder holding the mlx_grpo package (a checkout): the peers' runners import it from
+# there, and their virtual environments live there.
+ROOT = Path(__file__).resolve().parents[2]
 LINUX = sys.platform == "linux"
 # Pinned so that a re-run measures the same peers; the torch pin is the CPU build on
 # Linux (a plain `torch` from PyPI is the multi-GB CUDA build there).
@@ -47,13 +49,13 @@ PEERS = {
         "venv": ".venv-bench-trl",
         "first": ["torch==2.13.0+cpu" if LINUX else "torch==2.13.0"],
         "reqs": ["trl==1.16.0", "peft==0.21.2", "transformers==5.23.0", "datasets"],
-        "runner": "mlx_grpo.bench_peers.run_trl",
+        "runner": "mlx_grpo.bench.run_trl",
     },
     "mlx-lm-lora": {
         "venv": ".venv-bench-mlxlmlora",
         "first": [],
         "reqs": ["mlx-lm-lora==5.10.2", "mlx[cpu]==0.32.4" if LINUX else "mlx==0.32.4"],
-        "runner": "mlx_grpo.bench_peers.run_mlx_lm_lora",
+        "runner": "mlx_grpo.bench.run_mlx_lm_lora",
     },
 }
 SYSTEMS = ("mlx-grpo", "trl", "mlx-lm-lora")
@@ -183,7 +185,7 @@ def summarize(res: dict) -> dict:
 def floor_report(res: dict) -> dict:
     """mlx-grpo's step as a multiple of the floor (per step, then the median), and the
     profiled step's phases and op classes against their floors."""
-    from mlx_grpo.bench_peers.opclass import floor_seconds
+    from mlx_grpo.bench.floor import floor_seconds
 
     prof = res["profile"]
     rates = prof["rates"]
@@ -397,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scaling-steps", type=int, default=2)
     p.add_argument("--no-scaling", action="store_true")
     p.add_argument("--model", default="default", help="mlx-grpo's model (smoke tests: a tiny one)")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="results folder (default ./bench/results)"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per system run")
     args = p.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -413,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if "mlx-grpo" not in systems:
         print("error: --systems must include mlx-grpo (the ratios are against it)", file=sys.stderr)
         return 2
-    out_dir = args.out or (None if args.smoke else ROOT / "bench" / "results")
+    out_dir = args.out or (None if args.smoke else Path("bench") / "results")
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
     logs = Path(out_dir or "/tmp") / f"logs-{stamp}"
     report = {
@@ -442,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "mlx-grpo":
                 res = run_runner(
                     sys.executable,
-                    "mlx_grpo.bench_peers.run_mlx_grpo",
+                    "mlx_grpo.bench.run_mlx_grpo",
                     [*ours_args, "--profile"],
                     args.timeout,
                     logs / f"{name}.log",
@@ -483,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 res = run_runner(
                     sys.executable,
-                    "mlx_grpo.bench_peers.run_mlx_grpo",
+                    "mlx_grpo.bench.run_mlx_grpo",
                     [
                         "--steps",
                         str(args.scaling_steps),

@@ -2,10 +2,10 @@
 benchmark's work unit.
 
 Runs in its own virtual environment (.venv-bench-mlxlmlora: mlx-lm-lora, mlx[cpu]);
-importing mlx_grpo.bench_peers first loads the BLAS that the bench chose for mlx-grpo
+importing mlx_grpo first loads the BLAS that the bench chose for mlx-grpo
 (passed as MLX_GRPO_OPENBLAS), so both MLX systems use the same BLAS:
 
-    python -m mlx_grpo.bench_peers.run_mlx_lm_lora --model HF_FOLDER --steps 4
+    python -m mlx_grpo.bench.run_mlx_lm_lora --model HF_FOLDER --steps 4
 
 The model, the LoRA layers and the reference model are made the way mlx-lm-lora's
 own CLI makes them (`from_pretrained`, then a second `load` of the same weights as
@@ -19,7 +19,7 @@ import argparse
 import tempfile
 import time
 
-from mlx_grpo import bench_peers as wu  # first: loads OpenBLAS before mlx
+from mlx_grpo.bench import work_unit as wu  # first: loads OpenBLAS before mlx
 
 
 def main(argv=None) -> None:

@@ -2,9 +2,9 @@
 
 Runs in its own virtual environment (.venv-bench-trl: torch, trl, peft, transformers):
 
-    python -m mlx_grpo.bench_peers.run_trl --model HF_FOLDER --steps 4
+    python -m mlx_grpo.bench.run_trl --model HF_FOLDER --steps 4
 
-The settings are the work unit's (mlx_grpo/bench_peers/__init__.py) spelled in
+The settings are the work unit's (mlx_grpo/bench/work_unit.py) spelled in
 GRPOConfig/LoraConfig terms: 16 completions per step as 2 prompts x 8 generations,
 float32 (bf16 off), no gradient checkpointing, LoRA on every linear layer of every
 block, the reference being the base model with the adapter disabled (TRL's PEFT path).
@@ -18,7 +18,7 @@ import argparse
 import tempfile
 import time
 
-from mlx_grpo import bench_peers as wu
+from mlx_grpo.bench import work_unit as wu
 
 
 def main(argv=None) -> None:

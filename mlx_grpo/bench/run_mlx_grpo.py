@@ -1,11 +1,11 @@
 """mlx-grpo on the benchmark's work unit: `steps` steps of the real training loop.
 
-    python -m mlx_grpo.bench_peers.run_mlx_grpo --steps 4 [--group 8] [--max-new-tokens 64]
+    python -m mlx_grpo.bench.run_mlx_grpo --steps 4 [--group 8] [--max-new-tokens 64]
 
-Prints one tagged JSON line (see mlx_grpo.bench_peers.emit). With --profile it then
+Prints one tagged JSON line (see mlx_grpo.bench.work_unit.emit). With --profile it then
 re-runs each phase of one step alone on the last step's rollout (prefill, decode,
 reference forward, policy forward+backward, optimizer) and times the ops of the model
-in isolation at the same shapes (mlx_grpo.bench_peers.opclass).
+in isolation at the same shapes (mlx_grpo.bench.floor).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlx_grpo import bench_peers as wu  # first: loads OpenBLAS before mlx
+from mlx_grpo.bench import work_unit as wu  # first: loads OpenBLAS before mlx
 
 
 class FixedOrder:
@@ -49,7 +49,7 @@ class FixedOrder:
 def config(steps: int, group: int, max_new_tokens: int, model: str, out_dir: str):
     from mlx_grpo.config import build_config
 
-    recipe = str(Path(__file__).parent / "recipe")
+    recipe = str(Path(__file__).parent / "work_unit_recipe")
     return build_config(
         None,
         None,
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
         last = [time.time()]
         captured = {}
 
-        from mlx_grpo.bench_peers.opclass import Shapes, step_work
+        from mlx_grpo.bench.floor import Shapes, step_work
 
         shapes = Shapes(model, cfg.lora.rank)
 
@@ -165,7 +165,7 @@ def main(argv=None) -> None:
             "max_new_tokens": args.max_new_tokens,
         }
         if args.profile:
-            from mlx_grpo.bench_peers.opclass import profile_step
+            from mlx_grpo.bench.floor import profile_step
 
             extra["profile"] = profile_step(model, tokenizer, optimizer, cfg, captured["rollout"])
         wu.emit(clock.result("mlx-grpo", mlx_grpo.__version__, **extra))

@@ -1,6 +1,6 @@
 """`make bench-curriculum`: does the UED curriculum beat uniform task sampling?
 
-    python -m mlx_grpo.bench_curriculum --recipe web_browsing --seeds 0,1,2 \\
+    python -m mlx_grpo.bench.curriculum --recipe web_browsing --seeds 0,1,2 \\
         --token-budget 20000 --eval-every 4 --eval-tasks 48
 
 Each strategy (`uniform`, `learnability`, `filter`) trains once per seed, from the same
@@ -206,7 +206,7 @@ def train_one(run: Path, strategy: str, seed: int, args, extra: list[str]) -> No
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m mlx_grpo.bench_curriculum",
+        prog="python -m mlx_grpo.bench.curriculum",
         description="Curriculum strategies at an equal rollout-token budget, on held-out tasks.",
     )
     p.add_argument("--recipe", default="web_browsing")

@@ -1,0 +1,3 @@
+from mlx_grpo.bench.speed import main
+
+main()
