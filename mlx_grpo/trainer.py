@@ -188,23 +188,9 @@ def train(
         )
     if not main:
         say = _silent
-    counters = Counters()
-    start = 0
     run = RunFolder(run_dir)
-    metrics_log = JsonlWriter(run.metrics_file)
-    samples_log = JsonlWriter(run.samples_file)
-    if resume_from is not None:
-        st = _resume(dist, resume_from, model, optimizer)
-        start = st.step
-        counters = Counters(**st.counters)
-        curriculum.load_state_dict(st.curriculum)
-        if main:
-            for log in run.logs:
-                truncate_jsonl(log, start)
-    elif dist.size > 1:  # same adapters everywhere even if the ranks' RNGs differ
-        sent = dist.broadcast_arrays(_adapters(model) if main else None)
-        model.load_weights(list(sent.items()), strict=False)
-
+    metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
+    start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum)
     if main and evaluate_fn and cfg.train.eval_every and start == 0:
         # The base model's held-out figures: where the curves in eval.jsonl start.
         base = evaluate_fn(0, {"rollout_tokens": 0})
@@ -229,19 +215,14 @@ def train(
         n_tasks = math.ceil(b * curriculum.oversample)
         tasks = curriculum.sample(n_tasks)  # the same on every rank
         mine = dist.share(n_tasks)
+        my_tasks = tasks[mine.start : mine.stop]
         keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
+        samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
 
+        # Roll out and score this rank's groups; every rank then sees every record.
         model.eval()
-        rollout = rollout_fn(
-            model,
-            tokenizer,
-            recipe,
-            tasks[mine.start : mine.stop],
-            g,
-            cfg.rollout,
-            keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g]),
-        )
-        scored = recipe.score_rollout(tasks[mine.start : mine.stop], rollout)
+        rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
+        scored = recipe.score_rollout(my_tasks, rollout)
         sample_step = bool(
             cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
         )
@@ -250,29 +231,21 @@ def train(
         gather_s = time.perf_counter() - tic
         records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
         rewards = np.array([r.reward for r in records], dtype=np.float32)
-        errors = [r.error for r in records if r.error]
-        counters.reward_errors += len(errors)
-        if errors:
+        if errors := [r.error for r in records if r.error]:
             say(f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}")
-        generated = sum(sh["tokens"] for sh in shares)
-        counters.rollout_tokens += generated
+        counters.reward_errors += len(errors)
+        counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
+
+        # Advantages; the curriculum hears the rewards; the groups with signal train.
         r_mx = mx.array(rewards)
         advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
         zero_var = np.array(zero_variance_groups(r_mx, g))
         curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-        # Groups whose rewards are all equal carry no policy gradient: leave them out of
-        # the loss and the forward/backward (unless grpo.skip_zero_variance_groups is
-        # off). `filter` trains on at most B groups.
-        train_groups = [i for i in range(n_tasks) if not zero_var[i]]
-        if not cfg.grpo.skip_zero_variance_groups:
-            train_groups += [i for i in range(n_tasks) if zero_var[i]]
-        train_groups = sorted(train_groups[:b])
-        local = [i - mine.start for i in train_groups if i in mine]
-
+        train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
         tic = time.perf_counter()
-        it_metrics: list[dict] = []
-        delta, sync_s = 0.0, 0.0
+        it_metrics, delta, sync_s = [], 0.0, 0.0
         if train_groups:  # the same on every rank: all of them join the update
+            local = [i - mine.start for i in train_groups if i in mine]
             batch = None
             if local:
                 batch = build_loss_inputs(
@@ -283,50 +256,27 @@ def train(
                     local,
                 )
             it_metrics, delta, sync_s = _update(
-                model,
-                optimizer,
-                loss_and_grad,
-                batch,
-                cfg,
-                counters,
-                step,
-                say,
-                dist,
+                model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
                 len(train_groups) * g,
-            )
+            )  # fmt: skip
         update_s = time.perf_counter() - tic
 
-        metrics = _step_metrics(
-            step, shares, records, rewards, advantages, zero_var, it_metrics, generated
-        )
-        metrics.update(
-            {
-                "lr": float(optimizer.learning_rate),
-                "adapter/delta_norm": delta,
-                "reward/errors": len(errors),
-                "nonfinite/skipped": counters.nonfinite_skipped,
-                "groups/trained": len(train_groups),
-                "groups/discarded": n_tasks - len(train_groups),
-                "time/update_s": update_s,
-                "memory/peak_gb": mx.get_peak_memory() / 1e9,
-                **curriculum.metrics(),
-            }
-        )
-        if dist.size > 1:
-            metrics["dist/ranks"] = dist.size
-            metrics["time/sync_s"] = gather_s + sync_s
         budget = cfg.train.token_budget
         last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
-        metrics["rollout/tokens_total"] = counters.rollout_tokens
+        metrics = _step_metrics(
+            step, shares, records, rewards, advantages, zero_var, it_metrics,
+            lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
+            counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
+            ranks=dist.size, sync_s=gather_s + sync_s,
+        )  # fmt: skip
         if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
             metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
         _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
         if main:
             metrics_log.write(metrics)
-        if main and sample_step:
-            _write_samples(samples_log, step, tasks, records, g)
+            if sample_step:
+                _write_samples(samples_log, step, tasks, records, g)
         history.append(metrics)
-
         if step % cfg.output.save_every == 0 or last:
             state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
             # On rank 0 only; a failure there stops every rank.
@@ -339,6 +289,40 @@ def train(
                 say(f"step {step}: rollout token budget {budget} reached, stopping")
             break
     return history
+
+
+def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum):
+    """(first step to run - 1, counters): restored from `resume_from`, whose step the
+    logs are cut back to; else fresh, with the same adapters on every rank."""
+    if resume_from is None:
+        if dist.size > 1:  # the same adapters everywhere even if the ranks' RNGs differ
+            sent = dist.broadcast_arrays(_adapters(model) if dist.is_main else None)
+            model.load_weights(list(sent.items()), strict=False)
+        return 0, Counters()
+    st = _resume(dist, resume_from, model, optimizer)
+    curriculum.load_state_dict(st.curriculum)
+    if dist.is_main:
+        for log in run.logs:
+            truncate_jsonl(log, st.step)
+    return st.step, Counters(**st.counters)
+
+
+def _groups_to_train(zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool) -> list:
+    """Indices of the groups the update uses: those with reward variance first (groups
+    whose rewards are all equal carry no policy gradient, so they are left out of the
+    loss and its divisors unless `skip_zero_variance` is off), at most `batch_size`
+    (`filter` rolls out more groups than it trains).
+
+    >>> _groups_to_train(np.array([True, False, False, True]), 1, True)
+    [1]
+    >>> _groups_to_train(np.array([True, False, False, True]), 3, False)
+    [0, 1, 2]
+    """
+    n = len(zero_var)
+    keep = [i for i in range(n) if not zero_var[i]]
+    if not skip_zero_variance:
+        keep += [i for i in range(n) if zero_var[i]]
+    return sorted(keep[:batch_size])
 
 
 def _silent(_: str) -> None:
@@ -469,8 +453,19 @@ def _step_metrics(
     advantages: mx.array,
     zero_var: np.ndarray,
     it_metrics: list[dict],
-    generated: int,
+    *,
+    lr: float = 0.0,
+    delta: float = 0.0,
+    trained: int = 0,
+    counters: Counters | None = None,
+    update_s: float = 0.0,
+    curriculum: dict | None = None,
+    ranks: int = 1,
+    sync_s: float = 0.0,
 ) -> dict:
+    """A step's metrics (README "What a run prints and writes"), all built here."""
+    counters = counters or Counters()
+    generated = sum(sh["tokens"] for sh in shares)
     lens = np.array([r.tokens for r in records])
     seconds = max(sh["seconds"] for sh in shares)  # the slowest rank's rollout
     out = {
@@ -496,6 +491,23 @@ def _step_metrics(
         out[f"fail/{reason}"] = sum(r.failure == reason for r in records)
     for key in it_metrics[0] if it_metrics else ():  # averaged over num_iterations updates
         out[key] = float(np.mean([m[key] for m in it_metrics]))
+    out.update(
+        {
+            "lr": lr,
+            "adapter/delta_norm": delta,
+            "reward/errors": sum(r.error is not None for r in records),
+            "nonfinite/skipped": counters.nonfinite_skipped,
+            "groups/trained": trained,
+            "groups/discarded": len(zero_var) - trained,
+            "time/update_s": update_s,
+            "memory/peak_gb": mx.get_peak_memory() / 1e9,
+            **(curriculum or {}),
+        }
+    )
+    if ranks > 1:
+        out["dist/ranks"] = ranks
+        out["time/sync_s"] = sync_s
+    out["rollout/tokens_total"] = counters.rollout_tokens
     return out
 
 

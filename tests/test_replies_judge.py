@@ -24,9 +24,11 @@ def test_docstring_examples():
     import mlx_grpo.sandbox
     import mlx_grpo.stats
     import mlx_grpo.textstats
+    import mlx_grpo.trainer
     import rewards.code
 
     modules = (replies, rewards.code, mlx_grpo.textstats, mlx_grpo.sandbox, mlx_grpo.stats)
+    modules += (mlx_grpo.trainer,)
     for module in modules:
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

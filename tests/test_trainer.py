@@ -252,13 +252,12 @@ def test_step_metrics_log_every_component_even_when_the_first_reward_raised():
     ]
     out = trainer_mod._step_metrics(
         4,
-        [{"seconds": 1.0}],
+        [{"seconds": 1.0, "tokens": 9}],
         records,
         np.array([0.0, 1.0, 0.5]),
         mx.zeros(3),
         np.array([False]),
         [],
-        9,
     )
     assert out["reward/ascii"] == pytest.approx(0.5) and out["reward/short"] == pytest.approx(1 / 3)
     assert out["fail/error"] == 1
