@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from mlx_grpo import compare as cmp
+from mlx_grpo import report as report_mod
+from mlx_grpo import sides
 from mlx_grpo import stats as stats_mod
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.evaluate import TaskResult
@@ -116,8 +118,8 @@ def _loop_bootstrap(a, b, resamples, seed):
 def test_rows_match_independent_computations(a_counts, b_counts):
     stats = stats_mod.StatsConfig(resamples=2000, permutations=20_000, seed=7)
     a, b = _results(a_counts), _results(b_counts)
-    rule = cmp.SuccessRule("success", 1.0)
-    report = cmp.compare_results(a, b, rule, ks=[1, 2, 4], stats=stats)
+    rule = report_mod.SuccessRule("success", 1.0)
+    report = report_mod.compare_results(a, b, rule, ks=[1, 2, 4], stats=stats)
     rows = {r["metric"]: r for r in report.rows}
     assert list(rows) == [
         "eval/reward",
@@ -197,7 +199,7 @@ def test_small_cases():
 
 def test_identical_sides_give_zero_difference():
     a = _results(A_LARGE)
-    report = cmp.compare_results(a, a, cmp.SuccessRule("reward", 1.0), ks=[1])
+    report = report_mod.compare_results(a, a, report_mod.SuccessRule("reward", 1.0), ks=[1])
     for r in report.rows + report.levels:
         assert r["diff"] == 0 and r["ci_low"] == 0 and r["ci_high"] == 0
         assert r["p_value"] == 1 and r["p_sign"] == 1
@@ -261,12 +263,12 @@ def test_run_checkpoint_against_its_base(tiny_model_dir, toy_run, capsys):
 
     # The same checkpoint named three ways; the run folder itself means its latest.
     for spec in (f"{run}@1", str(run / "step-000001")):
-        side = cmp.resolve_side("b", spec)
+        side = sides.resolve_side("b", spec)
         assert (side.adapter, side.run_dir, side.step) == (run / "step-000001", run, 1)
-    assert cmp.resolve_side("b", str(run)).step == 2
+    assert sides.resolve_side("b", str(run)).step == 2
 
     # B is the base with that step's adapters in place, as mlx_lm.load(adapter_path=) does.
-    model, _ = cmp.load_side(cmp.resolve_side("b", f"{run}@step-000001"))
+    model, _ = sides.load_side(sides.resolve_side("b", f"{run}@step-000001"))
     saved = mx.load(str(run / "step-000001" / "adapters.safetensors"))
     params = dict(tree_flatten(model.parameters()))
     assert saved and all(mx.array_equal(params[k], v).item() for k, v in saved.items())

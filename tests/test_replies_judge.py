@@ -220,8 +220,8 @@ def test_init_adapter_errors_name_the_field(tmp_path):
 
 
 def test_compare_reports_pass_at_k_and_self_bleu_for_replies(recipe):
-    from mlx_grpo.compare import compare_results, success_rule
     from mlx_grpo.evaluate import TaskResult
+    from mlx_grpo.report import compare_results, success_rule
 
     tasks = recipe.tasks("eval", 4, 0)
     good = "Thanks for sharing this, it sounds like a real {w} and I hope the next week goes well."
