@@ -255,7 +255,7 @@ def train(
                     cfg.grpo.mask_truncated_completions,
                     local,
                 )
-            it_metrics, delta, sync_s = _update(
+            it_metrics, delta, sync_s = update_step(
                 model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
                 len(train_groups) * g,
             )  # fmt: skip
@@ -372,7 +372,38 @@ def reference_pass(model, batch: LossInputs, grpo: GRPOConfig) -> None:
     mx.eval(batch.ref_logprobs, batch.old_logprobs)
 
 
-def _update(
+def policy_gradient(model, loss_and_grad, batch: LossInputs | None, dist: Dist, max_norm: float):
+    """(loss, metrics, clipped gradients, their norm before clipping, seconds spent
+    exchanging) of one update: the value and gradient of the loss on this rank's share,
+    summed over ranks, clipped to `max_norm` in global norm. A rank with no share
+    (`batch` None) joins with zeros."""
+    if batch is not None:
+        (loss, m), grads = loss_and_grad(model, batch)
+    else:
+        loss = mx.array(0.0)
+        m = {k: mx.array(0.0) for k in LOSS_METRICS}
+        grads = tree_map(mx.zeros_like, model.trainable_parameters())
+    sync_s = 0.0
+    if dist.size > 1:
+        mx.eval(loss, m, grads)
+        tic = time.perf_counter()
+        # One exchange per dtype for gradients, loss and metrics together.
+        summed = dist.sum_tree({"grads": grads, "loss": loss, "m": m})
+        mx.eval(summed)
+        sync_s = time.perf_counter() - tic
+        grads, loss, m = summed["grads"], summed["loss"], summed["m"]
+    grads, grad_norm = optim.clip_grad_norm(grads, max_norm)
+    mx.eval(loss, grad_norm, m)
+    return loss, m, grads, grad_norm, sync_s
+
+
+def apply_update(model, optimizer, grads) -> None:
+    """One AdamW step on the adapters."""
+    optimizer.update(model, grads)
+    mx.eval(model.trainable_parameters(), optimizer.state)
+
+
+def update_step(
     model,
     optimizer,
     loss_and_grad,
@@ -384,8 +415,10 @@ def _update(
     dist: Dist,
     total_rows: int,
 ):
-    """`grpo.num_iterations` clipped AdamW updates on one batch; (metrics, |delta|,
-    seconds spent exchanging gradients).
+    """One update of the adapters on a rollout's batch: the reference pass, then
+    `grpo.num_iterations` times the clipped policy gradient and an AdamW step (skipped,
+    and counted, when non-finite). Returns (metrics per iteration, |delta| of the
+    adapters, seconds spent exchanging gradients).
 
     `batch` is this rank's share (None when all its groups were left out: it still
     joins every exchange, with zero gradients)."""
@@ -402,26 +435,13 @@ def _update(
     it_metrics: list[dict] = []
     sync_s = 0.0
     for _ in range(cfg.grpo.num_iterations):
-        if batch is not None:
-            (loss, m), grads = loss_and_grad(model, batch)
-        else:
-            loss = mx.array(0.0)
-            m = {k: mx.array(0.0) for k in LOSS_METRICS}
-            grads = tree_map(mx.zeros_like, model.trainable_parameters())
-        if dist.size > 1:
-            mx.eval(loss, m, grads)
-            tic = time.perf_counter()
-            # One exchange per dtype for gradients, loss and metrics together.
-            summed = dist.sum_tree({"grads": grads, "loss": loss, "m": m})
-            mx.eval(summed)
-            sync_s += time.perf_counter() - tic
-            grads, loss, m = summed["grads"], summed["loss"], summed["m"]
-        grads, grad_norm = optim.clip_grad_norm(grads, cfg.optimizer.max_grad_norm)
-        mx.eval(loss, grad_norm, m)
+        loss, m, grads, grad_norm, exchange_s = policy_gradient(
+            model, loss_and_grad, batch, dist, cfg.optimizer.max_grad_norm
+        )
+        sync_s += exchange_s
         finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
         if finite:
-            optimizer.update(model, grads)
-            mx.eval(model.trainable_parameters(), optimizer.state)
+            apply_update(model, optimizer, grads)
             counters.nonfinite_streak = 0
         else:
             counters.nonfinite_skipped += 1

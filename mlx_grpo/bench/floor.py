@@ -295,11 +295,12 @@ def op_split(s: Shapes, prompt_lens, comp_lens, group, sampler, reps: int = 3) -
 
 def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> dict:
     """Each phase of one step alone on `rollout` (seconds), and its op-class estimate."""
+    from mlx_grpo.dist import Dist
     from mlx_grpo.grpo import group_advantages, grpo_loss
     from mlx_grpo.logprobs import completion_logprobs, effective_lengths
     from mlx_grpo.models import adapters_disabled
     from mlx_grpo.rollout import _prefill, make_rollout_sampler
-    from mlx_grpo.trainer import build_loss_inputs, reference_pass
+    from mlx_grpo.trainer import apply_update, build_loss_inputs, policy_gradient, reference_pass
 
     g = rollout.group_size
     prompts = rollout.prompts
@@ -323,16 +324,16 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     loss_and_grad = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg.grpo))
     grads_box = {}
 
+    # The trainer's own update_step, timed by its parts.
     def fwd_bwd():
         model.train()
-        (loss, _), grads = loss_and_grad(model, batch)
-        mx.eval(loss, grads)
-        grads_box["g"] = grads
+        grads_box["g"] = policy_gradient(
+            model, loss_and_grad, batch, Dist(), cfg.optimizer.max_grad_norm
+        )[2]
         model.eval()
 
     def opt():
-        optimizer.update(model, grads_box["g"])
-        mx.eval(model.trainable_parameters(), optimizer.state)
+        apply_update(model, optimizer, grads_box["g"])
 
     def median(fn, k):
         fn()  # warm-up
