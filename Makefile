@@ -83,7 +83,7 @@ clean-venv:
 # distribution's OpenBLAS, installed where we can (root + apt). Otherwise mlx-grpo tries
 # PyPI's scipy-openblas32 (through a shim built with cc) and says what to install.
 system-deps:
-	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0'; then \
+	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblasp\?\.so\.0'; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing libopenblas0-pthread (OpenBLAS with run-time CPU dispatch)"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \

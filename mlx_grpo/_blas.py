@@ -216,7 +216,7 @@ def local_ranks(env=os.environ) -> int:
     """How many ranks of this `mlx.launch` job run on this machine (1 outside one):
     the ranks whose ring address has the same IP as ours (MLX_HOSTFILE), or MPI's
     local size."""
-    if mpi := env.get("OMPI_COMM_WORLD_LOCAL_SIZE"):
+    if (mpi := env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")).isdigit() and int(mpi) > 0:
         return int(mpi)
     rank, path = env.get("MLX_RANK"), env.get("MLX_HOSTFILE")
     if rank is None or not path:
@@ -379,11 +379,13 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
     cached = cache_root() / "blas" / f"verdict-{key}.json"
     if use_cache:
         try:
-            return json.loads(cached.read_text())
+            verdict = json.loads(cached.read_text())
+            if isinstance(verdict, dict) and {"ok", "reason", "config"} <= verdict.keys():
+                return verdict
         except (OSError, ValueError):
             pass
     verdict = _run_probe(lib, threads)
-    if use_cache:
+    if use_cache and not verdict.pop("transient", False):
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_suffix(f".{os.getpid()}.tmp")
@@ -401,12 +403,19 @@ def _run_probe(lib: Path, threads: int) -> dict:
             [sys.executable, "-c", PROBE, str(lib), str(threads)],
             capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S,
         )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "reason": f"its probe hung (> {PROBE_TIMEOUT_S} s)", "config": ""}
+    except subprocess.TimeoutExpired:  # a loaded machine, maybe: not cached
+        why = f"its probe hung (> {PROBE_TIMEOUT_S} s)"
+        return {"ok": False, "reason": why, "config": "", "transient": True}
     if done.returncode < 0:
-        sig = signal.Signals(-done.returncode).name
+        try:
+            sig = signal.Signals(-done.returncode).name
+        except ValueError:
+            sig = f"signal {-done.returncode}"
         why = " (code for another CPU)" if sig == "SIGILL" else ""
-        return {"ok": False, "reason": f"its probe was killed by {sig}{why}", "config": ""}
+        # Killed from outside (out of memory, a shutdown): say so, but probe again next time.
+        transient = sig in ("SIGKILL", "SIGTERM", "SIGHUP", "SIGINT")
+        reason = f"its probe was killed by {sig}{why}"
+        return {"ok": False, "reason": reason, "config": "", "transient": transient}
     try:
         out = json.loads(done.stdout.strip().splitlines()[-1])
         config, failed = str(out["config"]), list(out["failed"])
@@ -439,8 +448,10 @@ def choose(env=os.environ) -> tuple[Blas, str | None]:
     warning line to print, if any. Loads nothing into this process."""
     threads = blas_threads(env)
     forced = env.get("MLX_GRPO_OPENBLAS", "").strip()
+    if forced and forced not in NAMES:
+        forced = str(Path(forced).expanduser().absolute())  # probe and load the same file
     order = [n for n in NAMES if n != "builtin"]
-    if forced == "builtin":
+    if forced == "builtin" or env.get("MLX_GRPO_NO_OPENBLAS"):  # the latter: older name
         return Blas("builtin", None), None
     if forced in order:
         order.remove(forced)
@@ -452,8 +463,9 @@ def choose(env=os.environ) -> tuple[Blas, str | None]:
     for name in tries:
         lib, why = (Path(forced), "") if name == "custom" else _locate(name)
         label = f"MLX_GRPO_OPENBLAS={forced}" if name == "custom" else name
-        if lib is None:
-            (missing if why == "not installed" else problems).append(f"{label}: {why}")
+        if lib is None:  # a candidate asked for by name counts as a problem
+            quiet = why == "not installed" and name != forced
+            (missing if quiet else problems).append(f"{label}: {why}")
             continue
         verdict = probe(lib, threads)
         if not verdict["ok"]:
@@ -487,10 +499,14 @@ def use_fast_blas() -> Blas | None:
         return _state["blas"]
     if importlib.util.find_spec("mlx") is None:  # e.g. the bench's PyTorch peer
         return None
-    blas, warning = choose()
+    try:
+        blas, warning = choose()
+    except Exception as e:  # noqa: BLE001  (a fast BLAS is never worth failing the import)
+        blas, warning = Blas("builtin", None), f"choosing a BLAS failed ({e!r}); using MLX's own"
     if blas.path is not None:
         try:
-            os.environ.setdefault("OPENBLAS_NUM_THREADS", str(blas.threads))
+            # Set through the library, not the environment: processes this one starts
+            # (an `mlx.launch` job, say) choose their own share.
             _set_threads(ctypes.CDLL(blas.path, mode=os.RTLD_GLOBAL), blas.threads or 1)
         except OSError as e:  # removed between the probe and now
             warning, blas = (

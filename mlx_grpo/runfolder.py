@@ -127,7 +127,7 @@ class RunFolder:
         """The step folder `ref` names ('20' or 'step-000020'), if it exists."""
         name = step_name(int(ref)) if ref.isdigit() else ref
         folder = self.path / name
-        return folder if name.startswith(STEP_PREFIX) and folder.is_dir() else None
+        return folder if step_of(name) is not None and folder.is_dir() else None
 
     def write_config(self, cfg) -> None:
         """config.json from a pydantic RunConfig."""

@@ -215,11 +215,49 @@ def test_local_ranks_share_the_cores(tmp_path):
 def test_a_rank_of_two_on_this_machine_gets_half_the_cores(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
-    snippet = "import os, mlx_grpo; print(os.environ.get('OPENBLAS_NUM_THREADS'))"
+    snippet = "import mlx_grpo; from mlx_grpo._blas import _state; print(_state['blas'].threads)"
     env = {**os.environ, "MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}
     env.pop("OPENBLAS_NUM_THREADS", None)
     env.pop("MLX_GRPO_OPENBLAS", None)
     out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env)
-    if "no usable OpenBLAS" in out.stderr:
+    if "no usable OpenBLAS" in out.stderr or out.stdout.strip() == "None":
         pytest.skip("no OpenBLAS here")
     assert out.stdout.strip() == str(max(1, _blas.physical_cores() // 2)), out.stderr
+
+
+@linux_only
+def test_a_probe_killed_from_outside_or_hung_is_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path))
+    lib = tmp_path / "libx.so"
+    lib.write_bytes(b"x")
+    calls = []
+
+    def run(path, threads, verdict):
+        calls.append(path)
+        return dict(verdict)
+
+    hung = {"ok": False, "reason": "its probe hung", "config": "", "transient": True}
+    monkeypatch.setattr(_blas, "_run_probe", lambda p, t: run(p, t, hung))
+    assert _blas.probe(lib, 2)["reason"] == "its probe hung"
+    assert _blas.probe(lib, 2)["reason"] == "its probe hung"
+    assert len(calls) == 2  # probed again
+    crashed = {"ok": False, "reason": "its probe was killed by SIGILL", "config": ""}
+    monkeypatch.setattr(_blas, "_run_probe", lambda p, t: run(p, t, crashed))
+    assert _blas.probe(lib, 2) == _blas.probe(lib, 2) == crashed
+    assert len(calls) == 3  # a crash on this CPU is remembered
+
+
+@linux_only
+def test_a_candidate_named_but_not_installed_is_said(monkeypatch, tmp_path):
+    other = tmp_path / "b.so"
+    monkeypatch.setattr(
+        _blas,
+        "_locate",
+        lambda n: (other, "") if n == "cmeel-openblas" else (None, "not installed"),
+    )
+    monkeypatch.setattr(_blas, "probe", lambda lib, t: {"ok": True, "reason": "", "config": ""})
+    blas, warning = _blas.choose({"MLX_GRPO_OPENBLAS": "system", "OPENBLAS_NUM_THREADS": "2"})
+    assert blas.name == "cmeel-openblas"
+    assert warning.startswith("system: not installed; using")
+    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})  # not asked for: quiet
+    assert blas.name == "cmeel-openblas" and warning is None
