@@ -358,14 +358,15 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
     {"ok": bool, "reason": str, "config": str}; cached by file, CPU, MLX and threads."""
     lib = Path(lib)
     try:
-        st = lib.resolve().stat()
+        real = lib.resolve()
+        st = real.stat()
     except OSError as e:
         return {"ok": False, "reason": f"cannot read it ({e.strerror})", "config": ""}
     key = hashlib.sha256(
         json.dumps(
             [
                 PROBE,
-                str(lib.resolve()),
+                str(real),
                 st.st_size,
                 st.st_mtime_ns,
                 _cpu_signature(),
@@ -521,11 +522,6 @@ def use_fast_blas() -> Blas | None:
 
 def blas_in_use() -> str:
     """What MLX computes its matmuls with in this process, for the first line of a run."""
-    blas = _state["blas"]
-    return (
-        blas.describe()
-        if blas
-        else "MLX built-in BLAS"
-        if sys.platform == "linux"
-        else "Accelerate"
-    )
+    if (blas := _state["blas"]) is not None:
+        return blas.describe()
+    return "MLX built-in BLAS" if sys.platform == "linux" else "Accelerate"

@@ -48,10 +48,11 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
             if not out.get("run"):
                 raise ConfigError("--resume: give the run folder, or --output.run=NAME")
             run_dir = Path(out.get("dir", "checkpoints")) / out["run"]
-        saved = RunFolder(run_dir).config_file
+        folder = RunFolder(run_dir)
+        saved = folder.config_file
         if not saved.exists():
             raise ConfigError(f"--resume: {saved} not found (not a run folder)")
-        step_dir = RunFolder(run_dir).latest_step_dir()
+        step_dir = folder.latest_step_dir()
         if step_dir is None:
             raise CheckpointError(f"--resume: {run_dir} has no complete checkpoint yet")
         base = json.loads(saved.read_text())

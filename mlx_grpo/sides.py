@@ -83,9 +83,10 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
     head, at, tail = spec.rpartition("@")
     if at and head and Path(head).expanduser().is_dir():
         run_dir = Path(head).expanduser()
-        step_dir = RunFolder(run_dir).find_step(tail)  # RUN@20 or RUN@step-..
+        run = RunFolder(run_dir)
+        step_dir = run.find_step(tail)  # RUN@20 or RUN@step-..
         if step_dir is None:
-            have = [p.name for p in RunFolder(run_dir).step_dirs(complete=False)]
+            have = [p.name for p in run.step_dirs(complete=False)]
             raise CompareError(
                 f"{opt}: no checkpoint '{tail}' in {run_dir} (has: {', '.join(have) or 'none'})"
             )

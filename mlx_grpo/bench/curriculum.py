@@ -168,8 +168,9 @@ def print_table(rows: list[dict], baseline: str) -> None:
 
 
 def _run_done(run: Path, budget: int) -> bool:
-    ev = RunFolder(run).eval_file
-    if not ev.exists() or not RunFolder(run).latest_file.exists():
+    folder = RunFolder(run)
+    ev = folder.eval_file
+    if not ev.exists() or not folder.latest_file.exists():
         return False
     last = read_curve(ev).tokens[-1]
     return last >= budget
