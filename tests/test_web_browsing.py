@@ -13,15 +13,16 @@ import rewards.web as web_rewards
 from mlx_grpo.config import build_config
 from mlx_grpo.env import Episode, StepResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults
-from recipes.web_browsing import browser, page
-from recipes.web_browsing.families import NEEDED
-from recipes.web_browsing.page import (
+from recipes import web_agent as page
+from recipes.web_agent import (
     Action,
     element_ref,
     find_action,
     parse_action,
     syntax_error,
 )
+from recipes.web_browsing import browser
+from recipes.web_browsing.families import NEEDED
 from recipes.web_browsing.sites import site_fingerprint
 from recipes.web_browsing.tasks import LEVELS, make_env, make_tasks, reward, system_prompt
 

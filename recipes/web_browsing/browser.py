@@ -24,9 +24,11 @@ import re
 from typing import NamedTuple
 
 from mlx_grpo.env import StepResult
-from recipes.web_browsing.page import (
+from recipes.web_agent import (
     Action,
     ActionSyntaxError,
+    InvalidAction,
+    check_target,
     element_ref,
     find_action,
     parse_action,
@@ -34,14 +36,6 @@ from recipes.web_browsing.page import (
     render_page,
 )
 
-_HINT = {
-    "textbox": 'use type {ref} "text"',
-    "combobox": 'use select {ref} "option"',
-    "checkbox": "use click {ref}",
-    "button": "use click {ref}",
-    "link": "use click {ref}",
-    "row": "it is only text",
-}
 _APPLIES_TO = {
     "click": ("link", "button", "checkbox"),
     "type": ("textbox",),
@@ -67,10 +61,6 @@ def answer_matches(answer: str, value: str, sentence: str) -> bool:
     given = _tokens(answer)
     need = _tokens(value) - _FILLERS or _tokens(value)
     return bool(given) and need <= given <= _tokens(sentence) | need
-
-
-class InvalidAction(ValueError):
-    """An action that does not apply to the page; the message says why."""
 
 
 class Outcome(NamedTuple):
@@ -163,14 +153,8 @@ class WebEnv:
             self.page = self.history.pop()
             return "Went back.", True
         el = self._elements[self.page].get(action.target)
-        if el is None:
-            raise InvalidAction(f"there is no element [{action.target}] on this page")
-        role, eid, label, ref = el["role"], el["id"], el["label"], element_ref(el)
-        if action.label is not None and action.label.strip().casefold() != label.casefold():
-            raise InvalidAction(f'[{eid}] is {role} "{label}", not "{action.label}"')
-        if role not in _APPLIES_TO[action.verb]:
-            hint = _HINT[role].format(ref=ref)
-            raise InvalidAction(f"{action.verb} does not apply to {role} {ref}; {hint}")
+        check_target(action, el, _APPLIES_TO)
+        role, eid, ref = el["role"], el["id"], element_ref(el)
         values = self.values[self.page]
         if action.verb == "type":
             values[eid] = action.text

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from recipes.web_browsing.page import element_ref
+from recipes.web_agent import element_ref
 from recipes.web_browsing.sites import (
     CLICK_TITLES,
     FACT_TOPICS,

@@ -30,9 +30,9 @@ import random
 from collections.abc import Sequence
 
 from mlx_grpo.recipe import Task
+from recipes.web_agent import agent_messages, instructions, syntax_error
 from recipes.web_browsing.browser import WebEnv
 from recipes.web_browsing.families import NEEDED, make_spec
-from recipes.web_browsing.page import VERBS, syntax_error
 from recipes.web_browsing.sites import BRANDS, site_fingerprint
 from rewards.web import components
 
@@ -46,90 +46,19 @@ LEVELS: dict[int, tuple[tuple[str, int], ...]] = {
 }
 SLACK = 2  # extra steps allowed beyond the shortest solution of a multi-step task
 
-INTRO = (
-    'You are using a website to reach a goal. A page lists one element per line: role "label" [id].\n'
-    'Reply with exactly one action and nothing else; name an element as "label" [id]. The actions:'
-)
-ACTION_HELP = {
-    "click": 'click "label" [id] - press a button or link, or toggle a checkbox. For button "Save" [3], reply: click "Save" [3]',
-    "type": 'type "label" [id] "text" - fill a textbox. Example: type "City" [7] "Paris"',
-    "select": 'select "label" [id] "option" - choose an option of a combobox. Example: select "Plan" [9] "Pro"',
-    "back": "back - return to the previous page.",
-    "stop": 'stop "answer" - give the answer to a question and finish. Example: stop "30 days"',
-}
-
 
 def system_prompt(level: int) -> str:
     """The instructions for `level`: the grammar of the actions its families need."""
-    return "\n".join([INTRO, *(ACTION_HELP[v] for v in VERBS if v in level_verbs(level))])
+    return instructions(level_verbs(level))
 
 
 def level_verbs(level: int) -> set[str]:
     return {verb for fam in LEVELS[level] for verb in NEEDED[fam]}
 
 
-# Worked examples, shown as earlier turns of the conversation: a small model copies a
-# demonstrated reply far more reliably than it follows a described grammar. They are
-# on a made-up "Demo" site, in the environment's own words.
-def _form_page(city: str, cycle: str | None) -> str:
-    lines = ["Page: Demo > Settings > Address", f'textbox "City" [4] value="{city}"']
-    if cycle is not None:
-        lines.append(f'combobox "Billing cycle" [5] value="{cycle}" options=["Monthly","Yearly"]')
-    return "\n".join([*lines, 'button "Save" [6]', 'button "Cancel" [7]'])
-
-
-def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
-    """(observation, reply) pairs demonstrating `verbs`: a click, a form (type, then
-    select when needed, then submit), a stop with an answer."""
-    turns = []
-    if "click" in verbs and "type" not in verbs:  # a form's example ends with a click
-        turns.append(
-            (
-                'Goal: Click "Archive file".\nPage: Demo > Files\n'
-                'button "Rename file" [1]\nbutton "Archive file" [2]\nbutton "Share file" [3]',
-                'click "Archive file" [2]',
-            )
-        )
-    if "type" in verbs:
-        select = "select" in verbs
-        goal = 'Goal: Type "Oslo" in "City", ' + (
-            'select "Monthly" in "Billing cycle", ' if select else ""
-        )
-        cycle = "Yearly" if select else None
-        turns.append(
-            (goal + 'then click "Save".\n' + _form_page("Paris", cycle), 'type "City" [4] "Oslo"')
-        )
-        last = 'Typed "Oslo" into "City" [4].'
-        if select:
-            turns.append(
-                (f"{last}\n{_form_page('Oslo', 'Yearly')}", 'select "Billing cycle" [5] "Monthly"')
-            )
-            last = 'Selected "Monthly" in "Billing cycle" [5].'
-        turns.append(
-            (f"{last}\n{_form_page('Oslo', 'Monthly' if select else None)}", 'click "Save" [6]')
-        )
-    if "stop" in verbs:
-        turns.append(
-            (
-                "Goal: Answer the question: How long are backups kept?\nPage: Demo > Docs\n"
-                'text "Exports are ready within 2 hours."\ntext "Backups are kept for 45 days."',
-                'stop "45 days"',
-            )
-        )
-    return turns
-
-
 def task_messages(level: int, family: str, difficulty: int) -> list[dict]:
     """The level's instructions, then worked examples of the actions the family needs."""
-    demo = demo_turns(set(NEEDED[family, difficulty]))
-    return [
-        {"role": "system", "content": system_prompt(level)},
-        *(
-            m
-            for obs, reply in demo
-            for m in ({"role": "user", "content": obs}, {"role": "assistant", "content": reply})
-        ),
-    ]
+    return agent_messages(system_prompt(level), set(NEEDED[family, difficulty]))
 
 
 def make_tasks(split: str, n: int, seed: int, levels: Sequence[int] = tuple(LEVELS)) -> list[Task]:

@@ -1,4 +1,6 @@
-"""What the model reads and writes on the simulated web: pages and actions.
+"""The web agent's language, shared by every web recipe (web_browsing's simulated sites,
+miniwob's real pages in Chromium): what the model reads, what it writes, and how it is
+told.
 
 A page is shown as a compact accessibility tree, one element per line: role, label,
 element id, then the value or options of a field:
@@ -181,9 +183,10 @@ def find_action(reply: str) -> Action | None:
 
 
 def render_element(el: dict, value: str | bool | None = None) -> str:
-    """One accessibility-tree line; `value` is a field's current value."""
+    """One accessibility-tree line; `value` is a field's current value. Text has an id
+    only where it can be clicked (real pages); a checkbox or radio's value is its state."""
     role, label = el["role"], el["label"]
-    if role == "text":
+    if role == "text" and el.get("id") is None:
         return f'text "{label}"'
     head = f'{role} "{label}" [{el["id"]}]'
     if role == "textbox":
@@ -191,7 +194,7 @@ def render_element(el: dict, value: str | bool | None = None) -> str:
     if role == "combobox":
         options = ",".join(f'"{o}"' for o in el["options"])
         return f'{head} value="{value}" options=[{options}]'
-    if role == "checkbox":
+    if role in ("checkbox", "radio"):
         return f"{head} checked={'true' if value else 'false'}"
     return head
 
@@ -201,3 +204,125 @@ def render_page(brand: str, page: dict, values: dict[int, str | bool]) -> str:
     lines = [f"Page: {brand} > {page['title']}"]
     lines += [render_element(el, values.get(el.get("id"))) for el in page["elements"]]
     return "\n".join(lines)
+
+
+class InvalidAction(ValueError):
+    """An action that does not apply to the page; the message says why."""
+
+
+_HINT = {
+    "textbox": 'use type {ref} "text"',
+    "combobox": 'use select {ref} "option"',
+    "checkbox": "use click {ref}",
+    "radio": "use click {ref}",
+    "button": "use click {ref}",
+    "link": "use click {ref}",
+    "text": "use click {ref}",
+    "row": "it is only text",
+}
+
+
+def check_target(action: Action, el: dict | None, applies_to: dict[str, tuple[str, ...]]) -> None:
+    """InvalidAction unless `action` may act on `el` (None: no element has its id): the
+    label the reply gave, if any, must be the element's (`el["labels"]`, when present,
+    lists every label the page shows with that id), and the element's role must be one
+    that `applies_to[verb]` allows.
+
+    >>> check_target(Action("type", 3, "x", "Save"), {"role": "button", "label": "Save", "id": 3},
+    ...              {"type": ("textbox",)})
+    Traceback (most recent call last):
+    ...
+    recipes.web_agent.InvalidAction: type does not apply to button "Save" [3]; use click "Save" [3]
+    """
+    if el is None:
+        raise InvalidAction(f"there is no element [{action.target}] on this page")
+    role, eid, label = el["role"], el["id"], el["label"]
+    if action.label is not None:
+        given = action.label.strip().casefold()
+        if given not in {s.casefold() for s in el.get("labels", [label])}:
+            raise InvalidAction(f'[{eid}] is {role} "{label}", not "{action.label}"')
+    if role not in applies_to[action.verb]:
+        hint = _HINT[role].format(ref=element_ref(el))
+        raise InvalidAction(f"{action.verb} does not apply to {role} {element_ref(el)}; {hint}")
+
+
+# How the agent is told: the actions it may use, each with an example, and worked
+# examples shown as earlier turns of the conversation (a small model copies a
+# demonstrated reply far more reliably than it follows a described grammar). The
+# examples are on a made-up "Demo" site, in an environment's own words.
+INTRO = (
+    'You are using a website to reach a goal. A page lists one element per line: role "label" [id].\n'
+    'Reply with exactly one action and nothing else; name an element as "label" [id]. The actions:'
+)
+ACTION_HELP = {
+    "click": 'click "label" [id] - press a button or link, or toggle a checkbox. For button "Save" [3], reply: click "Save" [3]',
+    "type": 'type "label" [id] "text" - fill a textbox. Example: type "City" [7] "Paris"',
+    "select": 'select "label" [id] "option" - choose an option of a combobox. Example: select "Plan" [9] "Pro"',
+    "back": "back - return to the previous page.",
+    "stop": 'stop "answer" - give the answer to a question and finish. Example: stop "30 days"',
+}
+
+
+def instructions(verbs: set[str]) -> str:
+    """The system prompt: the grammar of `verbs`, in VERBS order."""
+    return "\n".join([INTRO, *(ACTION_HELP[v] for v in VERBS if v in verbs)])
+
+
+def _form_page(city: str, cycle: str | None) -> str:
+    lines = ["Page: Demo > Settings > Address", f'textbox "City" [4] value="{city}"']
+    if cycle is not None:
+        lines.append(f'combobox "Billing cycle" [5] value="{cycle}" options=["Monthly","Yearly"]')
+    return "\n".join([*lines, 'button "Save" [6]', 'button "Cancel" [7]'])
+
+
+def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
+    """(observation, reply) pairs demonstrating `verbs`: a click, a form (type, then
+    select when needed, then submit), a stop with an answer."""
+    turns = []
+    if "click" in verbs and "type" not in verbs:  # a form's example ends with a click
+        turns.append(
+            (
+                'Goal: Click "Archive file".\nPage: Demo > Files\n'
+                'button "Rename file" [1]\nbutton "Archive file" [2]\nbutton "Share file" [3]',
+                'click "Archive file" [2]',
+            )
+        )
+    if "type" in verbs:
+        select = "select" in verbs
+        goal = 'Goal: Type "Oslo" in "City", ' + (
+            'select "Monthly" in "Billing cycle", ' if select else ""
+        )
+        cycle = "Yearly" if select else None
+        turns.append(
+            (goal + 'then click "Save".\n' + _form_page("Paris", cycle), 'type "City" [4] "Oslo"')
+        )
+        last = 'Typed "Oslo" into "City" [4].'
+        if select:
+            turns.append(
+                (f"{last}\n{_form_page('Oslo', 'Yearly')}", 'select "Billing cycle" [5] "Monthly"')
+            )
+            last = 'Selected "Monthly" in "Billing cycle" [5].'
+        turns.append(
+            (f"{last}\n{_form_page('Oslo', 'Monthly' if select else None)}", 'click "Save" [6]')
+        )
+    if "stop" in verbs:
+        turns.append(
+            (
+                "Goal: Answer the question: How long are backups kept?\nPage: Demo > Docs\n"
+                'text "Exports are ready within 2 hours."\ntext "Backups are kept for 45 days."',
+                'stop "45 days"',
+            )
+        )
+    return turns
+
+
+def agent_messages(system: str, verbs: set[str]) -> list[dict]:
+    """A task's opening messages: the system prompt, then the worked examples of `verbs`."""
+    return [
+        {"role": "system", "content": system},
+        *(
+            m
+            for obs, reply in demo_turns(verbs)
+            for m in ({"role": "user", "content": obs}, {"role": "assistant", "content": reply})
+        ),
+    ]
