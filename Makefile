@@ -79,9 +79,12 @@ lint: $(STAMP)
 clean-venv:
 	rm -rf $(VENV) $(PARITY_VENV) .venv-bench-*
 
-# A BLAS with run-time CPU dispatch for MLX on Linux (README "Which BLAS"): the
-# distribution's OpenBLAS, installed where we can (root + apt). Otherwise mlx-grpo tries
-# PyPI's scipy-openblas32 (through a shim built with cc) and says what to install.
+# System packages, installed where we can (root + apt), else named:
+# - a BLAS with run-time CPU dispatch for MLX on Linux (README "Which BLAS"): the
+#   distribution's OpenBLAS. Otherwise mlx-grpo tries PyPI's scipy-openblas32 (through a
+#   shim built with cc) and says what to install.
+# - Chromium and chromedriver for the miniwob recipe (nothing else needs a browser; on
+#   macOS it uses an installed Google Chrome).
 system-deps:
 	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblasp\?\.so\.0'; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -90,5 +93,14 @@ system-deps:
 	      || echo "warning: could not install libopenblas0-pthread; mlx-grpo falls back to scipy-openblas32 or MLX's built-in BLAS" >&2; \
 	  else \
 	    echo "note: no system OpenBLAS; as root: apt-get install libopenblas0-pthread (or dnf install openblas-pthreads)" >&2; \
+	  fi; \
+	fi
+	@if [ "$$(uname -s)" = Linux ] && ! { command -v chromedriver && { command -v chromium || command -v chromium-browser || command -v google-chrome; }; } >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium and chromium-driver (the miniwob recipe's browser)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+	      || echo "warning: could not install chromium; the miniwob recipe will say what to install" >&2; \
+	  else \
+	    echo "note: the miniwob recipe needs Chromium: as root, apt-get install chromium chromium-driver" >&2; \
 	  fi; \
 	fi

@@ -58,6 +58,7 @@ class Rollout:
     group_size: int
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    env_seconds: float = 0.0  # in the environments' reset and step (multi-turn), within seconds
 
     @property
     def generated_tokens(self) -> int:
@@ -305,6 +306,8 @@ def play_episodes(
     Each returned Completion holds every token after the prompt (replies and the
     environment's answers), with `loss_mask` marking the model's own tokens.
     `sampler` is as in `generate_groups` (a list: one per episode, across its turns).
+    Every environment is closed (when it has `close`) as soon as its episode ends, and
+    all of them when this raises.
     """
     _check_prompts(prompts)
     if len(envs) != len(prompts) * group_size:
@@ -327,44 +330,54 @@ def play_episodes(
     tails = [[prompts[owners[i]][-1]] for i in range(n)]
     state = [caches[owners[i]] for i in range(n)]
     live = list(range(n))
-    for turn in range(cfg.max_turns):
-        sampled = _decode(
-            model,
-            tokenizer,
-            [tails[i] for i in live],
-            [state[i] for i in live],
-            cfg,
-            [sampler[i] for i in live] if isinstance(sampler, list) else sampler,
-        )
-        still = []
-        for i, (toks, reason, cache) in zip(live, sampled):
-            stopped = reason == "stop"
-            text = tokenizer.decode(toks[:-1] if stopped else toks)
-            result = envs[i].step(text)
-            ep = episodes[i]
-            ep.actions.append(text)
-            ep.results.append(result)
-            history[i] += toks
-            mask[i] += [1] * len(toks)
-            reasons[i] = reason
-            state[i] = None  # free finished episodes' caches as we go
-            if result.done:
-                ep.done = True
-                continue
-            if turn + 1 == cfg.max_turns:
-                reasons[i] = "length"
-                continue
-            extra = template.tokens(result.observation, toks, stopped)
-            if len(prompts[owners[i]]) + len(history[i]) + len(extra) >= cfg.max_episode_tokens:
-                reasons[i] = "length"
-                continue
-            history[i] += extra
-            mask[i] += [0] * len(extra)
-            tails[i], state[i] = extra, cache
-            still.append(i)
-        live = still
-        if not live:
-            break
+    env_s = 0.0
+    try:
+        for turn in range(cfg.max_turns):
+            sampled = _decode(
+                model,
+                tokenizer,
+                [tails[i] for i in live],
+                [state[i] for i in live],
+                cfg,
+                [sampler[i] for i in live] if isinstance(sampler, list) else sampler,
+            )
+            still = []
+            for i, (toks, reason, cache) in zip(live, sampled):
+                stopped = reason == "stop"
+                text = tokenizer.decode(toks[:-1] if stopped else toks)
+                tic_env = time.perf_counter()
+                result = envs[i].step(text)
+                env_s += time.perf_counter() - tic_env
+                ep = episodes[i]
+                ep.actions.append(text)
+                ep.results.append(result)
+                history[i] += toks
+                mask[i] += [1] * len(toks)
+                reasons[i] = reason
+                state[i] = None  # free finished episodes' caches as we go
+                extra = None
+                if result.done:
+                    ep.done = True
+                elif turn + 1 == cfg.max_turns:
+                    reasons[i] = "length"
+                else:
+                    extra = template.tokens(result.observation, toks, stopped)
+                    total = len(prompts[owners[i]]) + len(history[i]) + len(extra)
+                    if total >= cfg.max_episode_tokens:
+                        reasons[i], extra = "length", None
+                if extra is None:
+                    close_env(envs[i])
+                    continue
+                history[i] += extra
+                mask[i] += [0] * len(extra)
+                tails[i], state[i] = extra, cache
+                still.append(i)
+            live = still
+            if not live:
+                break
+    finally:
+        for env in envs:
+            close_env(env)
 
     completions = [
         Completion(
@@ -383,7 +396,15 @@ def play_episodes(
         group_size=group_size,
         seconds=time.perf_counter() - tic,
         prefill_seconds=prefill_s,
+        env_seconds=env_s,
     )
+
+
+def close_env(env) -> None:
+    """Let an environment free what its episode holds (a browser window...), if it can."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
 
 
 def rollout_tasks(
@@ -406,12 +427,24 @@ def _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler) ->
     if not recipe.multi_turn:
         prompts = [encode_prompt(tokenizer, t.messages, cfg.max_prompt_tokens) for t in tasks]
         return generate_groups(model, tokenizer, prompts, group_size, cfg, sampler)
+    tic = time.perf_counter()
     envs = [recipe.make_env(t) for t in tasks for _ in range(group_size)]
     prompts = []
-    for i, task in enumerate(tasks):
-        group = envs[i * group_size : (i + 1) * group_size]
-        firsts = [recipe.first_messages(task, env) for env in group]
-        if any(m != firsts[0] for m in firsts[1:]):
-            raise ValueError(f"recipe {recipe.name}: env.reset() differs between runs of {task.id}")
-        prompts.append(encode_prompt(tokenizer, firsts[0], cfg.max_prompt_tokens))
-    return play_episodes(model, tokenizer, prompts, envs, group_size, cfg, sampler)
+    try:
+        for i, task in enumerate(tasks):
+            group = envs[i * group_size : (i + 1) * group_size]
+            firsts = [recipe.first_messages(task, env) for env in group]
+            if any(m != firsts[0] for m in firsts[1:]):
+                raise ValueError(
+                    f"recipe {recipe.name}: env.reset() differs between runs of {task.id}"
+                )
+            prompts.append(encode_prompt(tokenizer, firsts[0], cfg.max_prompt_tokens))
+    except BaseException:
+        for env in envs:
+            close_env(env)
+        raise
+    reset_s = time.perf_counter() - tic
+    rollout = play_episodes(model, tokenizer, prompts, envs, group_size, cfg, sampler)
+    rollout.seconds += reset_s
+    rollout.env_seconds += reset_s
+    return rollout

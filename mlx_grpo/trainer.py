@@ -28,6 +28,7 @@ from mlx_grpo.grpo import (
 from mlx_grpo.log import JsonlWriter, truncate_jsonl
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled
+from mlx_grpo.procmem import descendants_bytes
 from mlx_grpo.recipe import Recipe, Scored, Task
 from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
 from mlx_grpo.runfolder import RunFolder
@@ -354,7 +355,12 @@ def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> di
     records = [
         asdict(CompletionRecord.of(c, s, with_text)) for c, s in zip(rollout.completions, scored)
     ]
-    return {"records": records, "tokens": rollout.generated_tokens, "seconds": rollout.seconds}
+    return {
+        "records": records,
+        "tokens": rollout.generated_tokens,
+        "seconds": rollout.seconds,
+        "env_seconds": rollout.env_seconds,
+    }
 
 
 def reference_pass(model, batch: LossInputs, grpo: GRPOConfig) -> None:
@@ -500,6 +506,9 @@ def _step_metrics(
         "rollout/tokens_per_s": generated / max(seconds, 1e-9),
         "time/rollout_s": seconds,
     }
+    env_s = max(sh.get("env_seconds", 0.0) for sh in shares)
+    if env_s:  # multi-turn: the environments' part of the rollout
+        out["time/env_s"] = env_s
     turns = [r.turns for r in records if r.turns is not None]
     if turns:
         out["episode/turns_mean"] = float(np.mean(turns))
@@ -521,6 +530,7 @@ def _step_metrics(
             "groups/discarded": len(zero_var) - trained,
             "time/update_s": update_s,
             "memory/peak_gb": mx.get_peak_memory() / 1e9,
+            "memory/children_gb": descendants_bytes() / 1e9,
             **(curriculum or {}),
         }
     )

@@ -56,12 +56,15 @@ def efficiency(success: bool, shortest: int, steps: int) -> float:
 
 
 def components(task, episode: Episode, syntax_error: SyntaxCheck) -> dict[str, float]:
-    """The components for one episode (`task.payload["solution"]`: a shortest solution)."""
+    """The components for one episode. The payload gives the shortest solution's length
+    as `shortest`, or the solution itself as `solution`."""
     outcome = episode.env.outcome()
+    p = task.payload
+    shortest = p["shortest"] if "shortest" in p else len(p["solution"])
     return {
         "success": float(outcome.success),
         "progress": outcome.progress,
         "format": format_share(episode.actions, syntax_error),
         "validity": validity_share(episode.results),
-        "efficiency": efficiency(outcome.success, len(task.payload["solution"]), episode.turns),
+        "efficiency": efficiency(outcome.success, shortest, episode.turns),
     }
