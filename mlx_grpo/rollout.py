@@ -1,6 +1,7 @@
 """Group rollouts: G sampled completions (or episodes) for each of B prompts, in one batch.
 
-Each prompt is prefilled once; its KV cache is shared by its G samples, which then
+Each prompt is prefilled once (the prefix all prompts share, once for all of them); its
+KV cache is shared by its G samples, which then
 decode together with every other prompt's samples through mlx_lm's BatchGenerator
 (one forward per new token for all B*G sequences). The sampled token ids are kept
 as they are (never re-tokenised), including the stop token when there is one.
@@ -20,7 +21,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from mlx_grpo.config import RolloutConfig
@@ -167,6 +168,38 @@ def _prefill(model: nn.Module, prompt: list[int]) -> list:
     return cache
 
 
+MIN_SHARED_PREFIX = 32  # tokens; below this, prefill each prompt whole
+
+
+def prefill_prompts(model: nn.Module, prompts: list[list[int]]) -> list[list]:
+    """`_prefill` of every prompt, with the longest prefix they all share (a recipe's
+    system prompt and worked examples) computed once and copied into each cache, so
+    that only what differs is prefilled per prompt. Models with other than plain
+    KV caches (rotating, quantized) prefill each prompt whole."""
+    heads = [p[:-1] for p in prompts]
+    common = 0
+    if len(heads) > 1:
+        for column in zip(*heads):
+            if any(t != column[0] for t in column[1:]):
+                break
+            common += 1
+    base = make_prompt_cache(model)
+    if common < MIN_SHARED_PREFIX or any(type(c) is not KVCache for c in base):
+        return [_prefill(model, p) for p in prompts]
+    model(mx.array(heads[0][:common])[None], cache=base)
+    mx.eval([c.state for c in base])
+    caches = []
+    for head in heads:
+        cache = make_prompt_cache(model)
+        for c, b in zip(cache, base):  # slices are new arrays: writes never reach `base`
+            c.keys, c.values, c.offset = b.keys[..., :common, :], b.values[..., :common, :], common
+        if len(head) > common:
+            model(mx.array(head[common:])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        caches.append(cache)
+    return caches
+
+
 def _decode(
     model: nn.Module,
     tokenizer,
@@ -224,7 +257,7 @@ def generate_groups(
     `keyed_samplers`); default `make_rollout_sampler(cfg)`."""
     _check_prompts(prompts)
     tic = time.perf_counter()
-    caches = [_prefill(model, p) for p in prompts]
+    caches = prefill_prompts(model, prompts)
     prefill_s = time.perf_counter() - tic
     owners = [i for i in range(len(prompts)) for _ in range(group_size)]
     sampled = _decode(
@@ -315,7 +348,7 @@ def play_episodes(
     sampler = sampler or make_rollout_sampler(cfg)
     template = TurnTemplate(tokenizer)
     tic = time.perf_counter()
-    caches = [_prefill(model, p) for p in prompts]
+    caches = prefill_prompts(model, prompts)
     prefill_s = time.perf_counter() - tic
 
     n = len(envs)

@@ -316,13 +316,15 @@ def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
     return turns
 
 
-def agent_messages(system: str, verbs: set[str]) -> list[dict]:
-    """A task's opening messages: the system prompt, then the worked examples of `verbs`."""
+def agent_messages(system: str, *examples: set[str]) -> list[dict]:
+    """A task's opening messages: the system prompt, then the worked examples of each
+    set of verbs in turn (`demo_turns`)."""
+    turns = [t for verbs in examples for t in demo_turns(verbs)]
     return [
         {"role": "system", "content": system},
         *(
             m
-            for obs, reply in demo_turns(verbs)
+            for obs, reply in turns
             for m in ({"role": "user", "content": obs}, {"role": "assistant", "content": reply})
         ),
     ]

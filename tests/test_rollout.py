@@ -143,3 +143,35 @@ def test_top_k_sampler_keeps_mlx_lm_candidates_and_distribution():
     freq = np.bincount(np.array(draws), minlength=8) / 40000
     for f, w in zip(freq, want):
         assert abs(f - w) < 0.01, (freq, want)
+
+
+def test_a_shared_prefix_is_prefilled_once_with_the_same_caches(tiny, tiny_model_dir):
+    """prefill_prompts: the prefix all prompts share is computed once and copied; every
+    cache equals the prompt's whole prefill up to float32 reordering, and the copies do
+    not share storage (decoding into one leaves the others as they were)."""
+    import json
+
+    from conftest import assert_f32_close, tiny_additions
+    from mlx_grpo.rollout import MIN_SHARED_PREFIX, _prefill, prefill_prompts
+
+    model, tok = tiny
+    system = {"role": "system", "content": "Answer with one word only, please. " * 3}
+    prompts = [
+        encode_prompt(tok, [system, {"role": "user", "content": m}], 512)
+        for m in ("hi", "what is 2 + 2?", "name a colour")
+    ]
+    common = next(i for i, col in enumerate(zip(*prompts)) if len(set(col)) > 1)
+    assert common >= MIN_SHARED_PREFIX
+    shared = prefill_prompts(model, prompts)
+    whole = [_prefill(model, p) for p in prompts]
+    n = tiny_additions(json.loads((tiny_model_dir / "config.json").read_text()))
+    for p, s, w in zip(prompts, shared, whole):
+        for cs, cw in zip(s, w):
+            assert cs.offset == cw.offset == len(p) - 1
+            for a, b in zip(cs.state[:2], cw.state[:2]):
+                assert_f32_close(a[..., : cs.offset, :], b[..., : cw.offset, :], n, "kv")
+    before = [np.array(c.state[0][..., : c.offset, :]) for c in shared[1]]
+    model(mx.array([[7, 8, 9]]), cache=shared[0])
+    mx.eval([c.state for c in shared[0]])
+    after = [np.array(c.state[0][..., : c.offset, :]) for c in shared[1]]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))

@@ -55,7 +55,7 @@ TRAIN = (
     "read-table",
     "simple-arithmetic",
 )
-SLACK = 2  # steps allowed beyond the script's longest success (multi-step types)
+SLACK = 1  # steps allowed beyond the script's longest success (multi-step types)
 UNKNOWN_STEPS = 8  # step limit of a type the suite has no record of
 VERBS = {"click", "type", "select"}
 BASE_FILE = Path(__file__).with_name("base.json")
@@ -115,7 +115,8 @@ def make_tasks(
     names = resolve_types(types, train_types)
     level = levels(names)
     suite = load_suite()
-    messages = agent_messages(instructions(VERBS), VERBS)
+    # Every type gets the same prompt: a click, then a form (type, select, submit).
+    messages = agent_messages(instructions(VERBS), {"click"}, VERBS)
     tasks = []
     for i in range(n):
         name, k = names[i % len(names)], i // len(names)
