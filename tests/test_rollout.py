@@ -152,6 +152,7 @@ def test_a_shared_prefix_is_prefilled_once_with_the_same_caches(tiny, tiny_model
     import json
 
     from conftest import assert_f32_close, tiny_additions
+
     from mlx_grpo.rollout import MIN_SHARED_PREFIX, _prefill, prefill_prompts
 
     model, tok = tiny
