@@ -153,6 +153,8 @@ class Recipe:
         else:
             try:
                 tasks = self.module.make_tasks(split, n, seed, **self.params)
+            except ConfigError:  # the recipe's own one-line message
+                raise
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"recipe.params: {self.dir / 'tasks.py'}: {e}") from None
         if not tasks:

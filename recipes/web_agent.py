@@ -167,6 +167,29 @@ def syntax_error(reply: str) -> str | None:
     return None
 
 
+def read_reply(reply: str) -> tuple[Action | None, dict]:
+    """The action a reply executes (the strict parse when the reply is well formed, else
+    the first action found in it; None when there is none) and a step's `info` so far:
+    `format`, `syntax` (why not well formed), `action` (canonical), `valid` (None until
+    it is executed) and `error` (why the turn does nothing, so far: no action found).
+
+    >>> read_reply('Click [3] now')[1]["action"], read_reply("hello")[1]["error"]
+    ('click [3]', "unknown verb 'hello'; use one of click, type, select, back, stop")
+    """
+    try:
+        action, syntax = parse_action(reply), None
+    except ActionSyntaxError as e:
+        action, syntax = find_action(reply), str(e)
+    info = {
+        "format": syntax is None,
+        "syntax": syntax,
+        "action": None if action is None else str(action),
+        "valid": None,
+        "error": syntax if action is None else None,
+    }
+    return action, info
+
+
 def find_action(reply: str) -> Action | None:
     """The first action anywhere in the reply, case-insensitively (None if there is none).
 

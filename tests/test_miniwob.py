@@ -5,6 +5,7 @@ process outliving the process that started it."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -358,3 +359,27 @@ def test_recipe_loads_with_its_defaults():
     tasks = recipe.tasks("train", 30, 0)
     assert sorted({t.level for t in tasks}) == list(range(1, len(TRAIN) + 1))
     assert max(t.payload["max_steps"] for t in tasks) <= cfg.rollout.max_turns
+
+
+def test_pictures_show_the_page_at_each_step_with_its_action():
+    from PIL import Image
+
+    from recipes.miniwob.pictures import SCALE, TASK_H, TASK_W, strip
+    from recipes.miniwob.suite import SCRIPTS, Script
+
+    env = _env("enter-text")
+    env.record = True
+    obs = env.reset()
+    script, replies = Script(SCRIPTS["enter-text"]), []
+    while not env.done:
+        replies.append(script(env.goal, obs))
+        obs = env.step(replies[-1]).observation.split("\n", 1)[-1]
+    assert len(env.screenshots) == len(replies) == 2  # the page before each action
+    first = Image.open(io.BytesIO(env.screenshots[0]))
+    assert first.size[0] >= TASK_W and first.size[1] >= TASK_H
+    image = strip(env.goal, env.screenshots, replies)
+    assert image.size[0] == 2 * (TASK_W * SCALE + 8) + 8
+    # the typed text shows in the second frame: its pixels differ from the first's
+    a = image.crop((8, 40, 8 + TASK_W * SCALE, 40 + TASK_H * SCALE))
+    b = image.crop((16 + TASK_W * SCALE, 40, 16 + 2 * TASK_W * SCALE, 40 + TASK_H * SCALE))
+    assert a.tobytes() != b.tobytes()

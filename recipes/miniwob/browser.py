@@ -71,7 +71,7 @@ class NoBrowser(RuntimeError):
 
 
 _INSTALL = (
-    "miniwob needs Chromium and chromedriver: on Debian/Ubuntu run `make system-deps` as root "
+    "no Chromium and chromedriver found: on Debian/Ubuntu run `make system-deps` as root "
     "(apt-get install chromium chromium-driver), on macOS install Google Chrome, or set "
     "MINIWOB_CHROME_BINARY and MINIWOB_CHROMEDRIVER"
 )

@@ -33,12 +33,10 @@ from recipes.miniwob.browser import BrowserError, PageError, Window
 from recipes.miniwob.browser import pool as browser_pool
 from recipes.web_agent import (
     Action,
-    ActionSyntaxError,
     InvalidAction,
     check_target,
     element_ref,
-    find_action,
-    parse_action,
+    read_reply,
     render_element,
 )
 
@@ -208,17 +206,11 @@ class MiniWoBEnv:
         if self.done:
             raise RuntimeError("step() after the episode ended")
         self.steps += 1
-        try:
-            action, syntax = parse_action(reply), None
-        except ActionSyntaxError as e:
-            action, syntax = find_action(reply), str(e)
-        info = {"format": syntax is None, "syntax": syntax, "action": None, "valid": None}
-        info["error"] = syntax if action is None else None
+        action, info = read_reply(reply)
         before = render(self.items)
         note = ""
         try:
             if action is not None:
-                info["action"] = str(action)
                 try:
                     note = self._execute(action)
                     info["valid"] = True

@@ -347,8 +347,8 @@ def scroll_text(goal, items, memo):
     return submit_after(memo, items, lambda: [type_(first(items, "textbox", "answer-input"), last)])
 
 
-def navigate_tree(goal, items, memo):
-    target = quoted(goal)[0]
+def click_or_open(target: str, items, memo) -> str:
+    """Click `target` once shown, else the next text not clicked yet (a folder, a menu)."""
     hit = [it for it in items if it.label == target]
     if hit:
         return click(hit[0])
@@ -356,17 +356,15 @@ def navigate_tree(goal, items, memo):
     nxt = next(it for it in items if it.role == "text" and it.label not in opened)
     opened.add(nxt.label)
     return click(nxt)
+
+
+def navigate_tree(goal, items, memo):
+    return click_or_open(quoted(goal)[0], items, memo)
 
 
 def click_menu(goal, items, memo):
     target = re.search(r"Select (.+)$", goal).group(1).split(">")[-1].strip()
-    hit = [it for it in items if it.label == target]
-    if hit:
-        return click(hit[0])
-    opened = memo.setdefault("opened", set())
-    nxt = next(it for it in items if it.role == "text" and it.label not in opened)
-    opened.add(nxt.label)
-    return click(nxt)
+    return click_or_open(target, items, memo)
 
 
 def click_widget(goal, items, memo):

@@ -26,12 +26,10 @@ from typing import NamedTuple
 from mlx_grpo.env import StepResult
 from recipes.web_agent import (
     Action,
-    ActionSyntaxError,
     InvalidAction,
     check_target,
     element_ref,
-    find_action,
-    parse_action,
+    read_reply,
     render_element,
     render_page,
 )
@@ -120,15 +118,9 @@ class WebEnv:
         if self.done:
             raise RuntimeError("step() after the episode ended")
         self.steps += 1
-        try:
-            action, syntax = parse_action(reply), None
-        except ActionSyntaxError as e:
-            action, syntax = find_action(reply), str(e)
-        info = {"format": syntax is None, "syntax": syntax, "action": None, "valid": None}
-        info["error"] = syntax if action is None else None
+        action, info = read_reply(reply)
         note, changed = "", False
         if action is not None:
-            info["action"] = str(action)
             try:
                 note, changed = self._execute(action)
                 info["valid"] = True
