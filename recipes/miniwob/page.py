@@ -161,14 +161,11 @@ class MiniWoBEnv:
         self.raw_reward: float | None = None
         self.failure: str | None = None
         self.screenshots = []
-        for attempt in (0, 1):  # a browser that died between episodes is started again
-            try:
-                return self._start()
-            except BrowserError:
-                self.close()
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return self._start()
+        except BrowserError:  # a browser that died between episodes: once more, afresh
+            self.close()
+            return self._start()
 
     def _start(self) -> str:
         self.window = browser_pool(self.browsers).acquire()
@@ -179,9 +176,8 @@ class MiniWoBEnv:
                 break
             time.sleep(0.05)
         goal = self.window.run("return core.getUtterance();")
-        self.goal = (
-            goal["utterance"] if isinstance(goal, dict) else goal
-        )  # a few tasks give fields too
+        # a few tasks answer {"utterance": ..., "fields": ...}
+        self.goal = goal["utterance"] if isinstance(goal, dict) else goal
         self._observe()
         return f"Goal: {self.goal}\n{render(self.items)}"
 
