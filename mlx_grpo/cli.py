@@ -8,6 +8,7 @@ mlx.launch --hostfile hosts.json python -m mlx_grpo train ...   (data-parallel, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -81,10 +82,16 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
 
 
 def spread(tasks: list, n: int) -> list:
-    """n tasks taken evenly through the list (the eval split interleaves its levels)."""
+    """n tasks covering every level alike: the first task of each level, then the second
+    of each, and so on (taking every k-th task of a split that cycles through its levels
+    could land on a few levels only)."""
     if n >= len(tasks):
         return tasks
-    return [tasks[i * len(tasks) // n] for i in range(n)]
+    by_level: dict[int, list] = {}
+    for t in tasks:
+        by_level.setdefault(t.level, []).append(t)
+    rounds = itertools.zip_longest(*(by_level[lv] for lv in sorted(by_level)))
+    return [t for row in rounds for t in row if t is not None][:n]
 
 
 def cmd_train(argv: list[str]) -> int:

@@ -163,3 +163,18 @@ def test_tasks_that_gave_no_gradient_are_not_replayed():
     tasks = cur.sample(4)  # one learnable group: from now on it is replayed
     cur.update(tasks, [[0.0, 1.0] * 4] + [[0.0] * 8] * 3)
     assert cur.sample(4)[0].id == tasks[0].id and cur.last_replayed == 1
+
+
+def test_the_in_training_eval_covers_every_level_alike():
+    """spread: a split that cycles through 15 levels, cut to 30 tasks, holds each level
+    twice (every 10th task would have held three levels only)."""
+    from collections import Counter
+
+    from mlx_grpo.cli import spread
+    from mlx_grpo.recipe import Task
+
+    tasks = [Task(id=str(i), level=1 + i % 15, messages=[]) for i in range(300)]
+    picked = spread(tasks, 30)
+    assert Counter(t.level for t in picked) == {lv: 2 for lv in range(1, 16)}
+    assert [t.id for t in picked[:15]] == [str(i) for i in range(15)]
+    assert spread(tasks[:20], 30) == tasks[:20]
