@@ -24,14 +24,19 @@ import mlx.nn as nn
 import numpy as np
 
 
-def _best(fn, reps: int) -> float:
-    fn()  # warm-up
+def _times(fn, reps: int) -> list[float]:
+    """Seconds of `reps` calls of `fn`, after one warm-up call."""
+    fn()
     times = []
     for _ in range(reps):
         tic = time.perf_counter()
         fn()
         times.append(time.perf_counter() - tic)
-    return min(times)
+    return times
+
+
+def _best(fn, reps: int) -> float:
+    return min(_times(fn, reps))
 
 
 def machine_rates(quick: bool = False) -> dict:
@@ -177,13 +182,7 @@ def _time(fn, inputs, grad: bool, reps: int) -> float:
         def run():
             mx.eval(fn(*inputs))
 
-    run()
-    ts = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - tic)
-    return statistics.median(ts)
+    return statistics.median(_times(run, reps))
 
 
 def _block_ops(s: Shapes, rows: int, q_len: int, ctx: int, grad: bool, reps: int) -> dict:
@@ -299,7 +298,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     from mlx_grpo.grpo import group_advantages, grpo_loss
     from mlx_grpo.logprobs import completion_logprobs, effective_lengths
     from mlx_grpo.models import adapters_disabled
-    from mlx_grpo.rollout import _prefill, make_rollout_sampler
+    from mlx_grpo.rollout import make_rollout_sampler, prefill_prompts
     from mlx_grpo.trainer import apply_update, build_loss_inputs, policy_gradient, reference_pass
 
     g = rollout.group_size
@@ -312,9 +311,8 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk, effective_lengths(batch.mask)]
     model.eval()
 
-    def prefill():
-        for p in prompts:
-            _prefill(model, p)
+    def prefill():  # as the rollout does it: a prefix all prompts share, once
+        prefill_prompts(model, prompts)
 
     def ref():
         with adapters_disabled(model):
@@ -336,13 +334,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
         apply_update(model, optimizer, grads_box["g"])
 
     def median(fn, k):
-        fn()  # warm-up
-        ts = []
-        for _ in range(k):
-            tic = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - tic)
-        return statistics.median(ts)
+        return statistics.median(_times(fn, k))
 
     phases = {
         "prefill": median(prefill, reps),

@@ -15,7 +15,6 @@ the frozen reference). Its `batch_size` is the number of prompts per step (B);
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
@@ -23,12 +22,7 @@ from mlx_grpo.bench import work_unit as wu  # first: loads OpenBLAS before mlx
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--t0", type=float, default=None)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--model", required=True, help="the work unit's weights (float32 folder)")
-    args = p.parse_args(argv)
-    clock = wu.StepClock(args.t0 or time.time())
+    args, clock = wu.peer_args("the work unit's weights (float32 folder)", argv)
 
     import importlib.metadata
 

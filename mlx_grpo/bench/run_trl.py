@@ -14,7 +14,6 @@ and old log-probs TRL computes right after it count as update time).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
@@ -22,12 +21,7 @@ from mlx_grpo.bench import work_unit as wu
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--t0", type=float, default=None)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--model", required=True, help="the work unit's weights as an HF folder")
-    args = p.parse_args(argv)
-    clock = wu.StepClock(args.t0 or time.time())
+    args, clock = wu.peer_args("the work unit's weights as an HF folder", argv)
 
     import torch
     import transformers

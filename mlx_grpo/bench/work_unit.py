@@ -9,6 +9,7 @@ time from process start to the end of the first step, and the peak resident memo
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -91,6 +92,16 @@ class TimeSpent:
             return self.fn(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - tic
+
+
+def peer_args(model_help: str, argv=None) -> tuple[argparse.Namespace, StepClock]:
+    """A peer runner's command line (--t0, --steps, --model) and its step clock."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--t0", type=float, default=None)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--model", required=True, help=model_help)
+    args = p.parse_args(argv)
+    return args, StepClock(args.t0 or time.time())
 
 
 class StepClock:

@@ -137,22 +137,35 @@ def click_tab(goal, items, memo):
     return click(first(items, "link", re.search(r"(Tab #\d+)", goal).group(1)))
 
 
+def click_or_open(
+    target: str,
+    items,
+    memo,
+    hit=lambda it: True,
+    opens=lambda it: it.role == "text",
+) -> str:
+    """Click `target` once shown (an element `hit` accepts), else the next element that
+    `opens` something (a tab, a section, a folder, a menu) not clicked yet."""
+    found = [it for it in items if it.label == target and hit(it)]
+    if found:
+        return click(found[0])
+    opened = memo.setdefault("opened", set())
+    nxt = next(it for it in items if opens(it) and it.label not in opened)
+    opened.add(nxt.label)
+    return click(nxt)
+
+
 def find_behind(opener_role: str, opener: str):
     """Click the target once shown, else open the next tab / section not yet opened."""
 
     def script(goal, items, memo):
-        target = quoted(goal)[-1]
-        hit = [it for it in items if it.label == target and it.role in ("link", "text")]
-        if hit:
-            return click(hit[0])
-        tried = memo.setdefault("opened", set())
-        nxt = next(
-            it
-            for it in items
-            if it.role == opener_role and it.label.startswith(opener) and it.label not in tried
+        return click_or_open(
+            quoted(goal)[-1],
+            items,
+            memo,
+            hit=lambda it: it.role in ("link", "text"),
+            opens=lambda it: it.role == opener_role and it.label.startswith(opener),
         )
-        tried.add(nxt.label)
-        return click(nxt)
 
     return script
 
@@ -345,17 +358,6 @@ def phone_book(goal, items, memo):
 def scroll_text(goal, items, memo):
     last = first(items, "textbox", "text-area").value.split()[-1].strip(".,")
     return submit_after(memo, items, lambda: [type_(first(items, "textbox", "answer-input"), last)])
-
-
-def click_or_open(target: str, items, memo) -> str:
-    """Click `target` once shown, else the next text not clicked yet (a folder, a menu)."""
-    hit = [it for it in items if it.label == target]
-    if hit:
-        return click(hit[0])
-    opened = memo.setdefault("opened", set())
-    nxt = next(it for it in items if it.role == "text" and it.label not in opened)
-    opened.add(nxt.label)
-    return click(nxt)
 
 
 def navigate_tree(goal, items, memo):
