@@ -40,16 +40,19 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
 - Data-parallel runs (mlx_grpo/dist.py) split the batch over ranks and sum their
   gradients. Each rank divides by the batch's *global* count (`LossInputs.total_rows`
   and `total_tokens`), so the sum is exactly the gradient of AGG over the whole batch.
+  The same holds for micro-batches (`micro_batches`, `grpo.micro_batch_tokens`): a
+  batch too large to hold its activations at once is split, each piece divides by the
+  whole batch's counts, and the pieces' gradients are summed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_grpo.logprobs import completion_logprobs
+from mlx_grpo.logprobs import completion_logprobs, effective_lengths
 
 ADV_EPS = 1e-4
 
@@ -100,6 +103,65 @@ class LossInputs:
     # all ranks (None: this batch is the whole batch).
     total_rows: int | None = None
     total_tokens: float | None = None
+
+
+def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInputs]:
+    """`batch` in pieces that each run at most `max_positions` sequence positions (a
+    group's prompt once, plus each row up to its last loss token), so the update's
+    activations stay bounded. Whole groups go together while they fit; a group that
+    does not fit alone is cut into runs of consecutive rows (one row at least). Every
+    piece carries the whole batch's counts (`total_rows`, `total_tokens`), so the
+    pieces' losses, metrics and gradients sum to those of the batch. A batch that fits
+    (or `max_positions` None) is returned as it is.
+    """
+    n, b = batch.completions.shape[0], len(batch.prompts)
+    g = n // b
+    lengths = effective_lengths(batch.mask)
+    plens = [int(p.shape[0]) for p in batch.prompts]
+    group_cost = [plens[i] + sum(lengths[i * g : (i + 1) * g]) for i in range(b)]
+    if max_positions is None or sum(group_cost) <= max_positions:
+        return [batch]
+
+    spans: list[tuple[list[int], int, int]] = []  # (groups, first row, end row)
+    run: list[int] = []
+    for i in range(b):
+        if run and sum(group_cost[j] for j in run) + group_cost[i] > max_positions:
+            spans.append((run, run[0] * g, (run[-1] + 1) * g))
+            run = []
+        if group_cost[i] <= max_positions:
+            run.append(i)
+            continue
+        start, cost = i * g, plens[i]
+        for r in range(i * g, (i + 1) * g):
+            if r > start and cost + lengths[r] > max_positions:
+                spans.append(([i], start, r))
+                start, cost = r, plens[i]
+            cost += lengths[r]
+        spans.append(([i], start, (i + 1) * g))
+    if run:
+        spans.append((run, run[0] * g, (run[-1] + 1) * g))
+
+    total_rows = n if batch.total_rows is None else batch.total_rows
+    total_tokens = batch.total_tokens
+    if total_tokens is None:
+        total_tokens = batch.mask.sum().item()
+    pieces = []
+    for groups, lo, hi in spans:
+        rows = slice(lo, hi)
+        pieces.append(
+            replace(
+                batch,
+                prompts=[batch.prompts[i] for i in groups],
+                completions=batch.completions[rows],
+                mask=batch.mask[rows],
+                advantages=batch.advantages[rows],
+                old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[rows],
+                ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[rows],
+                total_rows=total_rows,
+                total_tokens=total_tokens,
+            )
+        )
+    return pieces
 
 
 def per_token_loss(

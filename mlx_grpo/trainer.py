@@ -23,6 +23,7 @@ from mlx_grpo.grpo import (
     LossInputs,
     group_advantages,
     grpo_loss,
+    micro_batches,
     zero_variance_groups,
 )
 from mlx_grpo.log import JsonlWriter, truncate_jsonl
@@ -366,25 +367,50 @@ def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> di
 def reference_pass(model, batch: LossInputs, grpo: GRPOConfig) -> None:
     """Fill in the log-probs the loss compares against: the reference policy's (the
     adapters switched off) when the KL term is on, and the sampling policy's when
-    several updates reuse one rollout. Both are constants of the update."""
-    need = [batch.prompts, batch.completions, grpo.logits_chunk]
+    several updates reuse one rollout. Both are constants of the update; they are
+    computed micro-batch by micro-batch (`grpo.micro_batch_tokens`)."""
+
+    def logprobs() -> mx.array:
+        parts = []
+        for piece in micro_batches(batch, grpo.micro_batch_tokens):
+            lp = completion_logprobs(
+                model, piece.prompts, piece.completions, grpo.logits_chunk, mask=piece.mask
+            )[0]
+            mx.eval(lp)
+            parts.append(lp)
+        return mx.stop_gradient(parts[0] if len(parts) == 1 else mx.concatenate(parts))
+
     if grpo.beta > 0:
         with adapters_disabled(model):
-            lp = completion_logprobs(model, *need, mask=batch.mask)[0]
-            batch.ref_logprobs = mx.stop_gradient(lp)
+            batch.ref_logprobs = logprobs()
     if grpo.num_iterations > 1:
-        lp = completion_logprobs(model, *need, mask=batch.mask)[0]
-        batch.old_logprobs = mx.stop_gradient(lp)
+        batch.old_logprobs = logprobs()
     mx.eval(batch.ref_logprobs, batch.old_logprobs)
 
 
-def policy_gradient(model, loss_and_grad, batch: LossInputs | None, dist: Dist, max_norm: float):
+def policy_gradient(
+    model,
+    loss_and_grad,
+    batch: LossInputs | None,
+    dist: Dist,
+    max_norm: float,
+    micro_batch_tokens: int | None = None,
+):
     """(loss, metrics, clipped gradients, their norm before clipping, seconds spent
     exchanging) of one update: the value and gradient of the loss on this rank's share,
-    summed over ranks, clipped to `max_norm` in global norm. A rank with no share
-    (`batch` None) joins with zeros."""
+    summed over its micro-batches and over ranks, clipped to `max_norm` in global norm.
+    A rank with no share (`batch` None) joins with zeros."""
     if batch is not None:
-        (loss, m), grads = loss_and_grad(model, batch)
+        loss, m, grads = None, None, None
+        for piece in micro_batches(batch, micro_batch_tokens):
+            (p_loss, p_m), p_grads = loss_and_grad(model, piece)
+            if loss is None:
+                loss, m, grads = p_loss, p_m, p_grads
+            else:
+                loss = loss + p_loss
+                m = {k: m[k] + p_m[k] for k in m}
+                grads = tree_map(mx.add, grads, p_grads)
+            mx.eval(loss, m, grads)  # frees this piece's activations before the next
     else:
         loss = mx.array(0.0)
         m = {k: mx.array(0.0) for k in LOSS_METRICS}
@@ -442,7 +468,12 @@ def update_step(
     sync_s = 0.0
     for _ in range(cfg.grpo.num_iterations):
         loss, m, grads, grad_norm, exchange_s = policy_gradient(
-            model, loss_and_grad, batch, dist, cfg.optimizer.max_grad_norm
+            model,
+            loss_and_grad,
+            batch,
+            dist,
+            cfg.optimizer.max_grad_norm,
+            cfg.grpo.micro_batch_tokens,
         )
         sync_s += exchange_s
         finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())

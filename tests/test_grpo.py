@@ -15,6 +15,7 @@ from mlx_grpo.grpo import (
     aggregate,
     group_advantages,
     grpo_loss,
+    micro_batches,
     per_token_loss,
     zero_variance_groups,
 )
@@ -297,6 +298,55 @@ def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type):
     a_own, _ = run([0, 1], [0])
     b_own, _ = run([2, 3, 4, 5], [1, 2])
     assert abs((a_own["loss"] + b_own["loss"]).item() - whole["loss"].item()) > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss_type):
+    """The update split into micro-batches (whole groups together, a long group cut
+    into runs of rows) sums to the one-piece update: loss, metrics and gradient."""
+    from mlx_grpo.dist import Dist
+    from mlx_grpo.trainer import policy_gradient
+
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=5)
+    _randomize_lora_b(model, seed=1)
+    rng = np.random.default_rng(3)
+    prompts = [mx.array(rng.integers(3, 200, p).tolist()) for p in (4, 7, 3)]
+    g, c = 4, 9
+    comp = mx.array(rng.integers(3, 200, (3 * g, c)), dtype=mx.int32)
+    lens = [9, 2, 5, 1, 3, 3, 8, 6, 9, 9, 9, 9]
+    mask = np.zeros((3 * g, c), np.float32)
+    for i, n in enumerate(lens):
+        mask[i, :n] = rng.random(n) < 0.7
+        mask[i, n - 1] = 1.0
+    adv = mx.array(rng.normal(size=3 * g).astype(np.float32))
+    old = mx.array(rng.normal(-5, 1, (3 * g, c)).astype(np.float32))
+    ref = mx.array(rng.normal(-5, 1, (3 * g, c)).astype(np.float32))
+    batch = LossInputs(prompts, comp, mx.array(mask), adv, old, ref, c)
+    cfg = GRPOConfig(beta=0.04, loss_type=loss_type, epsilon_high=0.28)
+    grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
+
+    # Group costs (prompt + row lengths): 21, 27, 39. At 30 positions groups 0 and 1
+    # go alone and group 2 is cut into runs of rows: 3 + 9 + 9 + 9, then 3 + 9.
+    pieces = micro_batches(batch, 30)
+    assert [len(p.prompts) for p in pieces] == [1, 1, 1, 1]
+    assert [p.completions.shape[0] for p in pieces] == [4, 4, 3, 1]
+    assert all(p.total_rows == 12 and p.total_tokens == mask.sum() for p in pieces)
+    assert len(micro_batches(batch, 50)) == 2  # groups 0 and 1 together, then group 2
+    assert micro_batches(batch, 87)[0] is batch
+
+    def update(max_positions):
+        loss, m, grads, norm, _ = policy_gradient(model, grad_fn, batch, Dist(), 1e9, max_positions)
+        return {"loss": loss, **m}, dict(tree_flatten(grads))
+
+    whole, g_whole = update(None)
+    n = tiny_additions(vars(model.args))
+    for budget in (30, 50):
+        split, g_split = update(budget)
+        for k in whole:
+            assert_f32_close(split[k], whole[k], n, k)
+        for k in g_whole:
+            assert_f32_close(g_split[k], g_whole[k], n, k)
 
 
 # ---------------------------------------------------------------- LoRA and the reference
