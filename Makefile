@@ -95,6 +95,15 @@ system-deps:
 	    echo "note: no system OpenBLAS; as root: apt-get install libopenblas0-pthread (or dnf install openblas-pthreads)" >&2; \
 	  fi; \
 	fi
+	@if [ "$$(uname -s)" = Linux ] && ! command -v bwrap >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing bubblewrap (the code recipe's sandbox)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
+	      || echo "warning: could not install bubblewrap; the code recipe will say what to install" >&2; \
+	  else \
+	    echo "note: the code recipe's sandbox needs bubblewrap: as root, apt-get install bubblewrap (or dnf install bubblewrap)" >&2; \
+	  fi; \
+	fi
 	@if [ "$$(uname -s)" = Linux ] && ! { command -v chromedriver && { command -v chromium || command -v chromium-browser || command -v google-chrome; }; } >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing chromium and chromium-driver (the miniwob recipe's browser)"; \

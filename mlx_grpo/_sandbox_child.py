@@ -1,16 +1,19 @@
 """The sandboxed process: confine itself, run one program, report what its calls returned.
 
-Started by mlx_grpo.sandbox as `python -I -S _sandbox_child.py` with a fresh temporary
-directory as cwd. It reads one JSON job from stdin, then, before any untrusted code:
+Started by mlx_grpo.sandbox as `python -I -S _sandbox_child.py` with a fresh working
+directory as cwd (at the strong level, inside bubblewrap: see mlx_grpo/sandbox.py). It
+reads one JSON job from stdin, then, before any untrusted code:
 
-1. (root on Linux) enters a new, empty network namespace (unshare(CLONE_NEWNET)),
+1. (weak level, root on Linux) enters a new, empty network namespace,
 2. sets the resource limits (CPU seconds, address space, file size, processes, files),
 3. (root) drops to the job's unprivileged uid/gid, so RLIMIT_NPROC applies to it,
-4. points fds 1 and 2 at out.txt in the temporary directory (user prints land there,
+4. (Linux) installs a seccomp filter under which fork, exec, new namespaces and ptrace
+   end the process (SIGSYS) and a new thread is refused,
+5. points fds 1 and 2 at out.txt in the working directory (user prints land there,
    capped by RLIMIT_FSIZE) and keeps a private copy of the original stdout for results,
-5. removes from sys.modules every module the program may not import (ctypes, loaded
-   for step 1, and anything a preloaded module pulled in), and
-6. installs an audit hook (sys.addaudithook) that refuses file access outside the
+6. removes from sys.modules every module the program may not import (ctypes, loaded
+   for steps 1 and 4, and anything a preloaded module pulled in), and
+7. installs an audit hook (sys.addaudithook) that refuses file access outside the
    temporary directory and the standard library, sockets, new processes, signals to
    other processes, sqlite3, and imports of modules that reach the OS behind the hook's
    back (`DENIED_MODULES`: _posixsubprocess, ctypes, sqlite3, subinterpreters...).
@@ -79,8 +82,6 @@ def _confine(job):
             os.write(2, b"sandbox: unshare(CLONE_NEWNET) failed\n")
             os._exit(97)
         del libc, ctypes
-    for name in [m for m in sys.modules if m.split(".")[0] in DENIED_MODULES]:
-        del sys.modules[name]  # else `import ctypes` finds it there, with no audit event
     lim = job["limits"]
     _limit(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)
     _limit(resource.RLIMIT_FSIZE, lim["output_bytes"])
@@ -94,6 +95,71 @@ def _confine(job):
         os.setuid(job["uid"])
     if lim.get("nproc"):
         _limit(resource.RLIMIT_NPROC, lim["nproc"])
+    if job.get("seccomp") and not _seccomp():
+        os.write(2, b"sandbox: could not install the seccomp filter\n")
+        os._exit(98)
+    for name in [m for m in sys.modules if m.split(".")[0] in DENIED_MODULES]:
+        del sys.modules[name]  # else `import ctypes` finds it there, with no audit event
+
+
+# seccomp (Linux): system calls that end the process (SIGSYS) whatever the program did
+# to the audit hook: new processes (fork, vfork, clone without CLONE_THREAD), exec, new
+# namespaces, ptrace. clone3 answers ENOSYS (libc falls back to clone, whose flags the
+# filter can read); a new thread answers EAGAIN, as RLIMIT_NPROC would.
+_SYSCALLS = {  # machine: (AUDIT_ARCH, killed, clone, clone3, x32 bit)
+    "x86_64": (0xC000003E, (57, 58, 59, 322, 101, 272, 308), 56, 435, 0x40000000),
+    "aarch64": (0xC00000B7, (221, 281, 117, 97, 268), 220, 435, None),
+}
+_CLONE_THREAD = 0x10000
+
+
+def _seccomp_program(machine):
+    """The classic-BPF filter for `machine` as bytes (None: not a known machine)."""
+    import struct
+
+    if machine not in _SYSCALLS:
+        return None
+    arch, killed, clone, clone3, x32 = _SYSCALLS[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    kill, allow, errno_ret = 0x80000000, 0x7FFF0000, 0x00050000
+    # (label, (code, label if true, label if false, k)); labels become jump offsets.
+    insns = [(None, (ld, None, None, 4)), (None, (jeq, "load_nr", "kill", arch))]
+    insns.append(("load_nr", (ld, None, None, 0)))
+    if x32 is not None:  # the x32 ABI's numbers: none is allowed
+        insns.append((None, (jge, "kill", None, x32)))
+    insns += [(None, (jeq, "kill", None, nr)) for nr in killed]
+    insns += [(None, (jeq, "clone", None, clone)), (None, (jeq, "nosys", None, clone3))]
+    insns.append((None, (ret, None, None, allow)))
+    insns.append(("clone", (ld, None, None, 16)))  # the low half of the flags argument
+    insns.append((None, (jset, "eagain", "kill", _CLONE_THREAD)))
+    insns.append(("kill", (ret, None, None, kill)))
+    insns.append(("nosys", (ret, None, None, errno_ret | errno.ENOSYS)))
+    insns.append(("eagain", (ret, None, None, errno_ret | errno.EAGAIN)))
+    where = {label: i for i, (label, _) in enumerate(insns) if label}
+    out = b""
+    for i, (_, (code, jt, jf, k)) in enumerate(insns):
+        t = where[jt] - i - 1 if jt else 0
+        f = where[jf] - i - 1 if jf else 0
+        out += struct.pack("HBBI", code, t, f, k)
+    return out
+
+
+def _seccomp():
+    """Install the filter (after PR_SET_NO_NEW_PRIVS); False where it cannot be."""
+    import ctypes
+
+    program = _seccomp_program(os.uname().machine)
+    if program is None:
+        return False
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fprog = Filter(len(program) // 8, program)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        return False
+    return libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0  # PR_SET_SECCOMP, FILTER
 
 
 def _limit(res, soft, hard=None, optional=False):
@@ -265,6 +331,8 @@ def _error_reason(e):
     if isinstance(e, MemoryError):
         return "memory"
     if isinstance(e, OSError) and e.errno == errno.EAGAIN:  # fork refused by RLIMIT_NPROC
+        return "process_limit"
+    if isinstance(e, RuntimeError) and str(e) == "can't start new thread":  # RLIMIT_NPROC
         return "process_limit"
     if isinstance(e, OSError) and e.errno == errno.EFBIG:  # write refused by RLIMIT_FSIZE
         return "output_limit"

@@ -1,34 +1,51 @@
 """Run untrusted Python (a policy's completions) in confined, short-lived processes.
 
-`run_programs(jobs)` runs each `Job` (source code, a function name, test inputs) in its
+`Sandbox.run(jobs)` runs each `Job` (source code, a function name, test inputs) in its
 own process, `workers` at a time, and returns one `Outcome` per job: the repr of each
 call's return value, or a named failure `reason`. The expected outputs never enter the
 sandboxed process; callers compare them (rewards/code.py).
 
-What holds, by layer (each job):
+Two isolation levels (`Sandbox(isolation=...)`):
 
-| layer | Linux, as root | Linux, not root | macOS |
-| --- | --- | --- | --- |
-| separate process, fresh temp dir as cwd, `python -I -S` (no site-packages, no PYTHONPATH, no cwd import), environment of only HOME and TMPDIR (the temp dir), PATH=/usr/bin:/bin, LANG=C.UTF-8 | yes | yes | yes |
-| wall-clock limit (process group killed) | yes | yes | yes |
-| RLIMIT_CPU, RLIMIT_FSIZE (output cap), RLIMIT_NOFILE, RLIMIT_CORE=0 | yes | yes | yes |
-| RLIMIT_AS (memory) | yes | yes | not enforced by macOS; a failed allocation is still reported as `memory` |
-| unprivileged uid per worker slot (60000.., each locked to one Sandbox: `_claim_uids`), so RLIMIT_NPROC bounds a fork bomb, other users' files follow normal permissions, and every process of that uid is killed after the job | yes | runs as you: RLIMIT_NPROC is set to your current process count + `nproc` | same as Linux, not root |
-| empty network namespace (unshare CLONE_NEWNET): no interface but a down loopback | yes (unless a container withholds CAP_SYS_ADMIN: probed once) | no | no |
-| audit hook (PEP 578) in the child: refuses file access outside the temp dir and the stdlib, sockets, fork/exec/subprocess, signals, chdir, ctypes, sqlite3, and importing modules that act unseen by it (`DENIED_MODULES`); a refusal ends the process | yes | yes | yes |
+**strong** (the default; refused in one line where it cannot be had):
+- Linux: each program runs under bubblewrap in new mount, pid, ipc, uts, network (and,
+  without root, user) namespaces. Its filesystem is a fresh root holding only the
+  Python runtime, read-only (the interpreter, its standard library with site-packages
+  hidden, the shared libraries they load), a minimal `/dev`, and private size-limited
+  tmpfs mounts at the working directory, `/tmp` and `/dev/shm`: the project tree, your
+  home, other sandboxes and the host's `/proc` do not exist inside, and everything the
+  program wrote vanishes with it. As root, bubblewrap sets this up and the program then
+  drops to a slot uid of its own; without root, an unprivileged user namespace does it.
+  The process dies with its parent, and RLIMIT_NPROC leaves it no room for another
+  process or thread (`Limits.nproc` extra), so the job as a whole is bounded by its
+  address-space limit and the tmpfs sizes.
+- macOS: `sandbox-exec` with a profile that denies by default: it allows reading the
+  Python runtime and the system libraries, reading and writing the job's own temporary
+  directory, and nothing else: no network, no new processes. (macOS does not enforce
+  RLIMIT_AS: memory is not bounded by the kernel there.)
 
-The audit hook is a best-effort layer, not a security boundary: it is Python in the
-program's own interpreter, and a way around it gets whatever the OS allows. The OS
-layers above are what bound time, memory, processes, output and (as root on Linux) the
-network and the files. Without root on Linux, and on macOS, the program runs as you and
-the hook is the only guard for your files and the network. A cgroup or a container
-gives more, and is the right tool for code from people rather than a 135M model.
+**weak** (opt in with the code recipe's `isolation = "weak"`): a separate process, a
+fresh temporary directory, rlimits, and as root on Linux a slot uid and an empty network
+namespace; the audit hook is then the only guard for your files (and, without root, the
+network), and it is Python in the program's own interpreter.
+
+Both levels keep: `python -I -S` (no site-packages, no PYTHONPATH, no cwd import); an
+environment of only HOME, TMPDIR, PATH and LANG; the wall-clock limit (process group
+killed, and as root every process of the slot uid); RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE
+(output), RLIMIT_NOFILE, RLIMIT_CORE=0, RLIMIT_NPROC; and the audit hook (PEP 578) as a
+tripwire that names what a program tried (`forbidden_file`, `network`, `process`,
+`forbidden_module`). No guarantee of the strong level depends on the hook.
+
+The report comes back on a pipe, read with a size cap and parsed defensively: anything
+malformed is that job's `bad_report`, and no job can reach another's pipe or process.
 """
 
 from __future__ import annotations
 
 import ast
 import fcntl
+import functools
+import glob
 import json
 import os
 import selectors
@@ -36,6 +53,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -50,6 +68,17 @@ SLOT_UID_COUNT = 4096  # how far past the base a Sandbox looks for free uids
 SLOT_LOCK = "/tmp/mlx-grpo-slot-{uid}.lock"  # flock'ed while a Sandbox holds that uid
 # Exit status of a child the audit hook ended, per reason (_sandbox_child.VIOLATION_RC).
 VIOLATION_RC = {81: "forbidden_file", 82: "network", 83: "process", 84: "forbidden_module"}
+ISOLATION = ("strong", "weak")
+# Machines whose system-call numbers the child's seccomp filter knows (keep in step with
+# _sandbox_child._SYSCALLS); elsewhere RLIMIT_NPROC alone bounds processes.
+SECCOMP_MACHINES = ("x86_64", "aarch64")
+WORKDIR = "/work"  # the program's working directory inside bubblewrap
+CHILD_INSIDE = "/sandbox/child.py"
+
+
+class SandboxUnavailable(RuntimeError):
+    """Strong isolation cannot be had here; the message is one line saying why and what
+    to install (or how to opt in to the weak level)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +91,8 @@ class Limits:
     output_bytes: int = 256 * 2**10  # what the program may print or write (RLIMIT_FSIZE)
     result_bytes: int = 1 * 2**20  # the report read back
     repr_chars: int = 10_000  # longest repr of one returned value
-    nproc: int = 16  # processes (and threads) the program's uid may hold
+    nproc: int = 0  # processes and threads the program may start besides itself
+    scratch_bytes: int = 16 * 2**20  # each tmpfs (working dir, /tmp, /dev/shm), strong level
 
 
 @dataclass(frozen=True)
@@ -97,6 +127,7 @@ SANDBOX_REASONS = (
     "forbidden_module",
     "exited",
     "crashed",
+    "bad_report",
 )
 
 
@@ -126,15 +157,179 @@ _NETNS_PROBE = (
 )
 
 
-def isolation_summary() -> dict[str, bool]:
-    """Which layers this machine gives (see the module docstring)."""
+def isolation_summary() -> dict[str, bool | str | None]:
+    """What this machine gives: the strong level's tool (None: unavailable, with why),
+    and the layers of the weak level (see the module docstring)."""
+    try:
+        strong, why = strong_isolation(_root_linux()), None
+    except SandboxUnavailable as e:
+        strong, why = None, str(e)
     return {
+        "strong": strong,
+        "strong_unavailable": why,
         "rlimits": True,
         "memory_limit": sys.platform != "darwin",
         "separate_uid": _root_linux(),
         "network_namespace": network_namespace_available(),
         "audit_hook": True,
     }
+
+
+def warn_weak() -> None:
+    """One line on stderr, once per process, saying what weak isolation leaves open."""
+    if not _WARNED:
+        _WARNED.append(True)
+        print(
+            "sandbox: weak isolation (opted in): programs run as "
+            + (
+                "a slot uid without network"
+                if _root_linux() and network_namespace_available()
+                else "you, with your network"
+            )
+            + "; only the audit hook keeps them from reading your files (README, Sandbox)",
+            file=sys.stderr,
+        )
+
+
+_WARNED: list[bool] = []
+_WEAK_HINT = "or opt in to weak isolation with --recipe.params.isolation=weak (README, Sandbox)"
+
+
+@functools.cache
+def strong_isolation(root: bool) -> str:
+    """The tool that gives strong isolation here ("bwrap" or "sandbox-exec"), checked by
+    starting one program under it (once per process); else SandboxUnavailable, in one
+    line that says what to install."""
+    if sys.platform.startswith("linux"):
+        tool = _bwrap()
+        if tool is None:
+            raise SandboxUnavailable(
+                "sandbox: strong isolation needs bubblewrap, which is not installed "
+                f"(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap); {_WEAK_HINT}"
+            )
+        argv = _bwrap_argv(tool, Limits(), root) + ["-I", "-S", "-c", "import json"]
+    elif sys.platform == "darwin" and os.path.exists(SANDBOX_EXEC):
+        tool = SANDBOX_EXEC
+        with tempfile.TemporaryDirectory(prefix="mlx-grpo-sandbox-") as tmp:
+            argv = [tool, "-p", _macos_profile(tmp), _runtime()[0], "-I", "-S", "-c", "import json"]
+            probe = subprocess.run(argv, capture_output=True, text=True, env={}, cwd=tmp)
+    else:
+        raise SandboxUnavailable(
+            f"sandbox: no strong isolation on {sys.platform} (bubblewrap on Linux, "
+            f"sandbox-exec on macOS); {_WEAK_HINT}"
+        )
+    if sys.platform.startswith("linux"):
+        probe = subprocess.run(argv, capture_output=True, text=True, env={}, timeout=60)
+    if probe.returncode != 0:
+        said = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        need = (
+            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on "
+            "Ubuntu, AppArmor's bwrap profile) or root"
+            if tool != SANDBOX_EXEC
+            else "a working sandbox-exec"
+        )
+        raise SandboxUnavailable(
+            f"sandbox: {os.path.basename(tool)} could not start a program here ({said[:200]}); "
+            f"it needs {need}; {_WEAK_HINT}"
+        )
+    return "bwrap" if tool != SANDBOX_EXEC else "sandbox-exec"
+
+
+SANDBOX_EXEC = "/usr/bin/sandbox-exec"
+
+
+def _seccomp_here() -> bool:
+    return sys.platform.startswith("linux") and os.uname().machine in SECCOMP_MACHINES
+
+
+def _bwrap() -> str | None:
+    return shutil.which("bwrap") or shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin")
+
+
+@functools.cache
+def _runtime() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(interpreter, paths a sandboxed program may read, directories among them to hide):
+    the base interpreter (never a venv's), its standard library, the shared libraries
+    they load (ldd), and the base's site-packages where it sits inside the stdlib."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix, exec_prefix = sys.base_prefix, sys.base_exec_prefix
+    base = {"base": prefix, "platbase": exec_prefix}
+    base |= {"installed_base": prefix, "installed_platbase": exec_prefix}
+    paths = sysconfig.get_paths(vars=base)  # the base installation's, not a venv's
+    dirs = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")}
+    site = {os.path.realpath(paths[k]) for k in ("purelib", "platlib")}
+    hidden = [d for d in site if os.path.isdir(d) and any(d.startswith(r + "/") for r in dirs)]
+    objects = [exe] + [f for d in sorted(dirs) for f in glob.glob(f"{d}/lib-dynload/*.so")]
+    libs = _shared_libraries(objects)
+    extra = [p for p in ("/etc/ld.so.cache",) if os.path.exists(p)]
+    binds = sorted({exe, *dirs, *libs, *extra}, key=lambda p: (p.count("/"), p))
+    return exe, tuple(binds), tuple(sorted(hidden))
+
+
+def _shared_libraries(objects: list[str]) -> set[str]:
+    """The shared libraries (and the loader) that `objects` load, by ldd (Linux)."""
+    ldd = shutil.which("ldd", path="/usr/bin:/bin")
+    if ldd is None or sys.platform == "darwin":
+        return set()
+    out = subprocess.run([ldd, *objects], capture_output=True, text=True, env={}).stdout
+    libs = set()
+    for line in out.splitlines():
+        if not line.startswith((" ", "\t")):
+            continue  # a "file:" header
+        path = line.split("=>", 1)[-1].strip().split(" (", 1)[0].strip()
+        if path.startswith("/") and os.path.exists(path):
+            libs.add(path)
+    return libs
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _bwrap_argv(bwrap: str, lim: Limits, root: bool) -> list[str]:
+    """The bubblewrap command up to the interpreter, to which the caller adds its
+    arguments (see the module docstring for what it sets up). As root
+    bubblewrap runs privileged (no user namespace) and the child drops to its slot uid;
+    otherwise an unprivileged user namespace, in which no further one may be made."""
+    exe, binds, hidden = _runtime()
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+    argv += ["--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    if not root:
+        argv += ["--unshare-user", "--disable-userns"]
+    parents = sorted({a for p in [*binds, CHILD_INSIDE] for a in _ancestors(p)}, key=len)
+    for d in parents:  # readable on the way to the runtime (a Python under /root, say)
+        argv += ["--perms", "0755", "--dir", d]
+    for p in binds:
+        argv += ["--ro-bind", p, p]
+    for d in hidden:
+        argv += ["--perms", "0555", "--size", "4096", "--tmpfs", d]
+    argv += ["--ro-bind", str(CHILD), CHILD_INSIDE, "--dev", "/dev"]
+    for d in ("/dev/shm", "/tmp", WORKDIR):
+        argv += ["--perms", "1777", "--size", str(lim.scratch_bytes), "--tmpfs", d]
+    return argv + ["--chdir", WORKDIR, exe]
+
+
+def _macos_profile(tmp: str) -> str:
+    """A sandbox-exec profile: deny by default; read the Python runtime and the system
+    libraries, read and write `tmp`; no network, no new processes."""
+    exe, _, _ = _runtime()
+    runtime = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    reads = " ".join(f"(subpath {json.dumps(p)})" for p in sorted(runtime))
+    work = json.dumps(os.path.realpath(tmp))
+    return f"""(version 1)
+(deny default)
+(allow process-exec (literal {json.dumps(exe)}))
+(allow file-read-metadata)
+(allow file-read* {reads} (subpath "/usr/lib") (subpath "/System")
+  (subpath "/Library/Apple") (subpath "/private/var/db/dyld") (subpath "/opt/homebrew/opt")
+  (subpath "/usr/local/opt") (literal "/dev/null") (literal "/dev/urandom")
+  (literal "/dev/random"))
+(allow file-read* file-write* (subpath {work}))
+(allow file-write-data (literal "/dev/null"))
+(allow sysctl-read)
+(allow signal (target self))
+"""
 
 
 def _user_process_count() -> int:
@@ -191,19 +386,31 @@ def _release(fds: list[int]) -> None:
 
 
 class Sandbox:
-    """A pool of `workers` slots running jobs under `limits`; `audit=False` drops the
-    in-process audit hook (for tests that prove the OS layers hold on their own).
+    """A pool of `workers` slots running jobs under `limits`, at `isolation` "strong"
+    (refused with SandboxUnavailable where it cannot be had) or "weak" (see the module
+    docstring); `audit=False` drops the in-process audit hook (for tests that prove the
+    OS layers hold on their own).
 
     As root on Linux each slot runs as its own uid, claimed for this Sandbox alone
     (`uids`) so that killing every process of a slot's uid after a job cannot hit
     another Sandbox's program; `close()` (or garbage collection) gives them back."""
 
-    def __init__(self, limits: Limits = Limits(), workers: int | None = None, audit: bool = True):
+    def __init__(
+        self,
+        limits: Limits = Limits(),
+        workers: int | None = None,
+        audit: bool = True,
+        isolation: str = "strong",
+    ):
+        if isolation not in ISOLATION:
+            raise ValueError(f"sandbox: isolation must be one of {ISOLATION}, got {isolation!r}")
         self.limits = limits
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.audit = audit
+        self.isolation = isolation
         self.root = _root_linux()
-        self.netns = network_namespace_available()
+        self.tool = strong_isolation(self.root) if isolation == "strong" else None
+        self.netns = self.tool is None and network_namespace_available()
         self.uids: list[int] | None = None
         self._lock_fds: list[int] = []
         if self.root:
@@ -238,24 +445,44 @@ class Sandbox:
             with self._lock:
                 self._slots.append(slot)
 
+    def _command(self, tmp: str | None) -> tuple[list[str], dict, int]:
+        """(argv, environment, RLIMIT_NPROC) of the child. The process limit counts the
+        program itself, `limits.nproc` more, and what else its uid holds where the
+        count is taken: bubblewrap's init in an unprivileged user namespace; all your
+        processes when the program runs as you without one."""
+        extra = self.limits.nproc
+        child = ["-I", "-S", "-B"]
+        if self.tool == "bwrap":
+            argv = _bwrap_argv(_bwrap(), self.limits, self.root) + [*child, CHILD_INSIDE]
+            env = {"HOME": WORKDIR, "TMPDIR": "/tmp", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+            return argv, env, (1 if self.root else 2) + extra
+        env = {"HOME": tmp, "TMPDIR": tmp, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        nproc = 1 + extra if self.root else _user_process_count() + 1 + extra
+        if self.tool == "sandbox-exec":
+            exe = _runtime()[0]
+            return [SANDBOX_EXEC, "-p", _macos_profile(tmp), exe, *child, str(CHILD)], env, nproc
+        return [sys.executable, *child, str(CHILD)], env, nproc
+
     def run_one(self, job: Job, slot: int = 0) -> Outcome:
         lim = self.limits
         tic = time.perf_counter()
-        tmp = tempfile.mkdtemp(prefix="mlx-grpo-sandbox-")
         if self.root and not self._finalizer.alive:
             raise RuntimeError("sandbox: run on a closed Sandbox")
         uid = self.uids[slot] if self.root else None
+        # Under bubblewrap the working directory is a tmpfs of the sandbox's own.
+        tmp = None if self.tool == "bwrap" else tempfile.mkdtemp(prefix="mlx-grpo-sandbox-")
         proc = None
         try:
-            if uid is not None:
+            if uid is not None and tmp is not None:
                 os.chown(tmp, uid, uid)
                 os.chmod(tmp, 0o700)
-            nproc = lim.nproc if uid is not None else _user_process_count() + lim.nproc
+            argv, env, nproc = self._command(tmp)
             payload = {
                 "code": job.code,
                 "func": job.func,
                 "inputs": job.inputs,
                 "netns": self.netns,
+                "seccomp": _seccomp_here(),
                 "uid": uid,
                 "gid": uid,
                 "audit": self.audit,
@@ -267,13 +494,12 @@ class Sandbox:
                     "nproc": nproc,
                 },
             }
-            env = {"HOME": tmp, "TMPDIR": tmp, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", str(CHILD)],
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
-                cwd=tmp,
+                cwd=tmp or "/",
                 env=env,
                 start_new_session=True,  # its own process group, killed as a whole
                 close_fds=True,
@@ -281,10 +507,14 @@ class Sandbox:
             data, timed_out, overflow = _exchange(
                 proc, json.dumps(payload).encode(), lim.wall_s, lim.result_bytes
             )
-            out = _outcome(proc.returncode, data, timed_out, overflow, len(job.inputs))
+            rc = proc.returncode
+            if self.tool == "bwrap" and rc is not None and rc > 128:
+                rc = 128 - rc  # bubblewrap's init exits 128 + n when the child dies of signal n
+            out = _outcome(rc, data, timed_out, overflow, len(job.inputs))
         finally:
             _kill_all(proc, uid)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
         out.seconds = time.perf_counter() - tic
         return out
 
@@ -405,6 +635,8 @@ def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int
         return Outcome(values=[None] * n_calls, reason=VIOLATION_RC[rc], detail=_violation(data))
     report = _report(data, n_calls)
     if report is None:
+        if data and rc == 0 and not timed_out:  # it wrote something that is no report
+            return Outcome(reason="bad_report", detail="malformed report")
         if timed_out:
             return Outcome(reason="timeout", detail="wall-clock limit")
         if rc == -signal.SIGXCPU:
@@ -413,8 +645,11 @@ def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int
             return Outcome(reason="output_limit", detail="RLIMIT_FSIZE")
         if rc == -signal.SIGKILL:  # RLIMIT_CPU hard limit, or the OOM killer
             return Outcome(reason="cpu_time", detail="killed (SIGKILL)")
-        if rc == 97:
-            return Outcome(reason="crashed", detail="could not isolate the network")
+        if rc == -signal.SIGSYS:
+            return Outcome(reason="process", detail="a process, exec or namespace call (seccomp)")
+        if rc in (97, 98):
+            what = "isolate the network" if rc == 97 else "install the seccomp filter"
+            return Outcome(reason="crashed", detail=f"could not {what}")
         if rc is not None and rc < 0:
             return Outcome(reason="crashed", detail=f"signal {-rc}")
         return Outcome(reason="exited", detail=f"exit status {rc} before reporting")
@@ -434,7 +669,7 @@ def _report(data: bytes, n_calls: int) -> dict | None:
     only claim values it could have returned, and a malformed one must not crash us)."""
     try:
         report = json.loads(data) if data else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than any report
         return None
     if not isinstance(report, dict):
         return None
@@ -458,7 +693,7 @@ def _violation(data: bytes) -> str:
     try:
         reason, detail = json.loads(data.rstrip(b"\n").rsplit(b"\n", 1)[-1])["violation"]
         return str(detail)[:500]
-    except (ValueError, KeyError, TypeError, IndexError):
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
         return ""
 
 

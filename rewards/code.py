@@ -23,23 +23,37 @@ import ast
 import os
 import re
 
-from mlx_grpo.sandbox import SANDBOX_REASONS, Job, Limits, Sandbox, same_value
+from mlx_grpo.sandbox import SANDBOX_REASONS, Job, Limits, Sandbox, same_value, warn_weak
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _ONLY_FENCE = re.compile(r"\A\s*```[ \t]*(?:python|py|python3)?[ \t]*\n.*?\n```\s*\Z", re.DOTALL)
 _CODE_START = re.compile(r"^(?:def |import |from |class |@)", re.MULTILINE)
 
 _SANDBOX: Sandbox | None = None
+_ISOLATION = "strong"
 
 
 def sandbox() -> Sandbox:
-    """The process-wide sandbox (workers = CPU cores, default limits); set
-    MLX_GRPO_SANDBOX_WORKERS to change the pool size."""
+    """The process-wide sandbox (workers = CPU cores, default limits, the isolation
+    chosen with `use_isolation`); set MLX_GRPO_SANDBOX_WORKERS to change the pool size."""
     global _SANDBOX
     if _SANDBOX is None:
         workers = int(os.environ.get("MLX_GRPO_SANDBOX_WORKERS", "0")) or None
-        _SANDBOX = Sandbox(Limits(), workers=workers)
+        _SANDBOX = Sandbox(Limits(), workers=workers, isolation=_ISOLATION)
     return _SANDBOX
+
+
+def use_isolation(level: str) -> None:
+    """Run programs at isolation `level` ("strong" or "weak", mlx_grpo/sandbox.py) and
+    start the sandbox now, so that a level this machine cannot give is refused before
+    training starts (SandboxUnavailable, one line)."""
+    global _SANDBOX, _ISOLATION
+    if _SANDBOX is not None and _SANDBOX.isolation != level:
+        _SANDBOX.close()
+        _SANDBOX = None
+    _ISOLATION = level
+    if sandbox().isolation == "weak":
+        warn_weak()
 
 
 def extract_code(text: str, func: str | None = None) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import mlx_grpo.sandbox as sandbox_module
 import rewards.code as code_reward
 from mlx_grpo.recipe import Task
 from mlx_grpo.sandbox import (
@@ -20,11 +21,13 @@ from mlx_grpo.sandbox import (
     Job,
     Limits,
     Sandbox,
+    SandboxUnavailable,
     isolation_summary,
     network_namespace_available,
     uid_processes,
 )
 
+SECCOMP = sandbox_module._seccomp_here()
 FAST = Limits(wall_s=4.0, cpu_s=1, memory_bytes=256 * 2**20, output_bytes=64 * 2**10)
 ROOT_LINUX = sys.platform.startswith("linux") and os.geteuid() == 0
 
@@ -129,8 +132,10 @@ def test_os_limits_hold_without_the_audit_hook(tmp_path):
         ),
     ]
     reasons = [o.reason for o in sb.run(jobs)]
-    want_fork = "process_limit" if ROOT_LINUX else ("process_limit", "crashed", "cpu_time")
-    assert reasons[0] in want_fork if isinstance(want_fork, tuple) else reasons[0] == want_fork
+    if SECCOMP:  # the first fork ends the process (SIGSYS)
+        assert reasons[0] == "process"
+    else:
+        assert reasons[0] in ("process_limit", "crashed", "cpu_time")
     memory = "memory" if sys.platform != "darwin" else reasons[1]  # macOS ignores RLIMIT_AS
     assert reasons[1:] == [memory, "cpu_time", "output_limit"]
     if ROOT_LINUX:  # nothing of the slot uids is left running (zombies wait for init)
@@ -199,12 +204,6 @@ def _escapes(marker: Path) -> dict[str, str]:
     }
 
 
-def _stdlib_private() -> bool:
-    """Whether the stdlib sits where other users cannot read (pyenv under /root)."""
-    path = Path(os.__file__).resolve().parent
-    return any(p.stat().st_mode & 0o005 != 0o005 for p in [path, *path.parents])
-
-
 # As root the program also runs as a slot uid that cannot import from a Python in a
 # private home; `root=False` runs it as the caller, as on a machine without root.
 AS_CALLER = [False, True] if ROOT_LINUX else [False]
@@ -221,8 +220,6 @@ def test_modules_that_bypass_the_audit_hook_cannot_be_imported(fast_sandbox, as_
         out = code_reward.reward_batch([_task()], [[_fenced(p) for p in programs]])[0]
         time.sleep(0.3)  # a shell that escaped would have written by now
         want = ["forbidden_module"] * len(kinds)
-        if ROOT_LINUX and not as_caller and _stdlib_private():
-            want[2] = "runtime_error"  # the slot uid cannot even find the extension file
         assert [c.get("failure") for c in out] == want, out
         assert all(c["passes"] == c["partial"] == 0.0 for c in out), out
         assert [m.exists() for m in markers] == [False] * len(kinds)
@@ -311,7 +308,18 @@ def test_a_report_written_by_the_program_cannot_crash_or_fool_the_parent(fast_sa
         for d in forged
     ]
     out = fast_sandbox.run(jobs)
-    assert [(o.reason, o.values) for o in out] == [("exited", [])] * len(forged), out
+    assert [(o.reason, o.values) for o in out] == [("bad_report", [])] * len(forged), out
+
+
+def test_a_poisoned_report_fails_only_its_own_completion(fast_sandbox):
+    """Nesting deeper than the JSON parser's recursion limit (a RecursionError, not a
+    ValueError) is that program's `bad_report`; the rest of the step scores as usual."""
+    poison = _fenced("import os\ndef f(x):\n    os.write(3, b'[' * 100000)\n    os._exit(0)")
+    good = _fenced("def f(x):\n    return 2 * x")
+    out = code_reward.reward_batch([_task()], [[poison, good, poison]])[0]
+    assert [c.get("failure") for c in out] == ["bad_report", None, "bad_report"], out
+    assert out[0]["passes"] == out[0]["compiles"] == out[0]["format"] == 0.0
+    assert out[1] == {"passes": 1.0, "partial": 1.0, "compiles": 1.0, "format": 1.0}
 
 
 @pytest.mark.skipif(not ROOT_LINUX, reason="slot uids are used as root on Linux only")
@@ -371,7 +379,162 @@ def test_a_constant_answer_earns_no_partial_credit(fast_sandbox):
 
 def test_violation_statuses_agree_between_parent_and_child():
     from mlx_grpo import _sandbox_child as child
-    from mlx_grpo.sandbox import SANDBOX_REASONS, VIOLATION_RC
+    from mlx_grpo.sandbox import SANDBOX_REASONS, SECCOMP_MACHINES, VIOLATION_RC
 
     assert {rc: reason for reason, rc in child.VIOLATION_RC.items()} == VIOLATION_RC
     assert set(VIOLATION_RC.values()) <= set(SANDBOX_REASONS)
+    assert set(SECCOMP_MACHINES) == set(child._SYSCALLS)
+
+
+# ---------------------------------------------------------------- strong isolation
+
+STRONG = sys.platform.startswith("linux") and sandbox_module._bwrap() is not None
+needs_bwrap = pytest.mark.skipif(not STRONG, reason="strong isolation on Linux needs bubblewrap")
+
+
+@pytest.fixture
+def bare_sandbox():
+    """Strong isolation alone: no audit hook, so every refusal below is the kernel's."""
+    with Sandbox(FAST, workers=2, audit=False) as sb:
+        yield sb
+
+
+@needs_bwrap
+def test_the_program_sees_only_the_python_runtime(bare_sandbox, home_secret):
+    """Nothing of the project (the code recipe's reference solutions included), the home
+    folder or the host's /proc exists inside; what does is the runtime."""
+    families = Path(code_reward.__file__).resolve().parents[1] / "recipes" / "code" / "families.py"
+    probe = (
+        "import os\ndef f(path):\n    try:\n        return open(path).read()[:10]\n"
+        "    except OSError as e:\n        return type(e).__name__"
+    )
+    walk = (  # every path not on the way to, or inside, an allowed one
+        "import os\ndef f(allowed):\n    out = []\n"
+        "    for root, dirs, files in os.walk('/'):\n"
+        "        for p in [os.path.join(root, n) for n in dirs + files]:\n"
+        "            if not any(p == a or p.startswith(a + '/') or a.startswith(p + '/')"
+        " for a in allowed):\n"
+        "                out.append(p)\n"
+        "    return out"
+    )
+    exe, binds, hidden = sandbox_module._runtime()
+    allowed = [*binds, "/dev", "/tmp", "/work", "/sandbox/child.py"]
+    reads = [str(families), str(home_secret), "/proc/self/status", "/etc/passwd"]
+    out = bare_sandbox.run([Job(probe, "f", [[p] for p in reads]), Job(walk, "f", [[allowed]])])
+    assert out[0].values == ["'FileNotFoundError'"] * len(reads), out[0]
+    assert out[1].values == ["[]"], out[1]
+    seen = (  # and nothing of a site-packages or a venv among what is allowed
+        "import os\ndef f(d):\n    return [os.path.join(r, n) for r, ds, fs in os.walk(d)"
+        " for n in ds + fs if 'site-packages' in n or '.venv' in n]"
+    )
+    dirs = sorted({os.path.dirname(exe), *[b for b in binds if os.path.isdir(b)]})
+    found = bare_sandbox.run([Job(seen, "f", [[d] for d in dirs])])[0].values
+    assert found == ["[]"] * len(dirs) or all(
+        eval(v) == [h for h in hidden if h.startswith(d + "/")] for v, d in zip(found, dirs)
+    ), found
+
+
+@needs_bwrap
+def test_scratch_space_is_private_bounded_and_gone_after_the_job(bare_sandbox):
+    write = (
+        "import os\ndef f():\n"
+        "    for d in ('/tmp', '/dev/shm', '.'):\n"
+        "        open(os.path.join(d, 'left-behind'), 'w').write('x')\n"
+        "    return sorted(os.listdir('/tmp') + os.listdir('/dev/shm'))"
+    )
+    look = "import os\ndef f():\n    return sorted(os.listdir('/tmp') + os.listdir('/dev/shm'))"
+    fill = (  # more than the tmpfs holds, in files each under the output limit
+        "def f():\n    for i in range(10**4):\n"
+        "        open('/dev/shm/f%d' % i, 'wb').write(b'x' * 60000)"
+    )
+    out = bare_sandbox.run([Job(write, "f", [[]])])
+    assert out[0].values == ["['left-behind', 'left-behind']"], out
+    later = bare_sandbox.run([Job(look, "f", [[]]), Job(fill, "f", [[]])])
+    assert later[0].values == ["[]"]  # a fresh /tmp and /dev/shm for every job
+    assert later[1].values == [None] and later[1].reason is None  # ENOSPC: an error, no more
+    assert not [n for n in os.listdir("/dev/shm") + os.listdir("/tmp") if "left-behind" in n]
+
+
+@needs_bwrap
+def test_a_host_unix_socket_cannot_be_reached(bare_sandbox, tmp_path):
+    path = tmp_path / "host.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)
+    try:
+        prog = (
+            "import socket\ndef f(p):\n    s = socket.socket(socket.AF_UNIX)\n"
+            "    try:\n        s.connect(p)\n        return 'connected'\n"
+            "    except OSError as e:\n        return type(e).__name__"
+        )
+        out = bare_sandbox.run([Job(prog, "f", [[str(path)], ["\0abstract-mlx-grpo"]])])
+    finally:
+        srv.close()
+    assert out[0].values == ["'FileNotFoundError'", "'ConnectionRefusedError'"], out
+
+
+@needs_bwrap
+def test_the_hook_switched_off_from_inside_changes_nothing(bare_sandbox, fast_sandbox):
+    """The closure-cell trick that disarms the audit hook, then a shell: the kernel ends
+    the program (seccomp) and it scores 0, hook or no hook."""
+    disarm = (
+        "import os\n"
+        "lam = os.mkfifo\n"
+        "deny = dict(zip(lam.__code__.co_freevars, lam.__closure__))['deny'].cell_contents\n"
+        "cells = dict(zip(deny.__code__.co_freevars, deny.__closure__))\n"
+        "cells['_exit'].cell_contents = lambda *a: None\n"
+        "cells['_write'].cell_contents = lambda *a: 0\n"
+        "def f(x):\n    os.system('echo escaped > /tmp/escaped')\n    return 2 * x"
+    )
+    out = code_reward.reward_batch([_task()], [[_fenced(disarm)]])[0][0]
+    want = "process" if SECCOMP else "process_limit"
+    assert out["failure"] == want and out["passes"] == out["compiles"] == 0.0, out
+    plain = "import os\ndef f(x):\n    os.system('true')\n    return 2 * x"
+    assert bare_sandbox.run([Job(plain, "f", [[3]])])[0].reason == want
+
+
+@needs_bwrap
+def test_threads_and_forked_memory_count_against_the_job(bare_sandbox):
+    """No second process or thread: a thread bomb is `process_limit`, and a forked
+    memory hog never gets a second address space."""
+    threads = (
+        "import threading, time\ndef f():\n"
+        "    while True:\n        threading.Thread(target=time.sleep, args=(5,)).start()"
+    )
+    hog = (
+        "import os\ndef f():\n    for _ in range(8):\n        if os.fork() == 0:\n"
+        "            x = bytearray(200 * 2**20)\n            while True:\n                pass\n"
+        "    return 1"
+    )
+    out = bare_sandbox.run([Job(threads, "f", [[]]), Job(hog, "f", [[]])])
+    assert out[0].reason == "process_limit", out[0]
+    assert out[1].reason == ("process" if SECCOMP else "process_limit"), out[1]
+
+
+def test_weak_isolation_must_be_asked_for(monkeypatch, capsys):
+    """Without bubblewrap the code recipe refuses in one line that says what to install
+    and how to opt in; opting in runs, with one warning line."""
+    from mlx_grpo.config import ConfigError
+    from recipes.code.tasks import make_tasks
+
+    monkeypatch.setattr(sandbox_module, "_bwrap", lambda: None)
+    monkeypatch.setattr(sandbox_module.sys, "platform", "linux")
+    sandbox_module.strong_isolation.cache_clear()
+    monkeypatch.setattr(code_reward, "_SANDBOX", None)
+    monkeypatch.setattr(sandbox_module, "_WARNED", [])
+    try:
+        with pytest.raises(SandboxUnavailable) as e:
+            Sandbox(FAST, workers=1)
+        assert "bubblewrap" in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(ConfigError) as e:
+            make_tasks("train", 2, 0)
+        assert "apt-get install bubblewrap" in str(e.value) and "isolation=weak" in str(e.value)
+        tasks = make_tasks("train", 2, 0, isolation="weak")
+        assert code_reward.sandbox().isolation == "weak"
+        assert capsys.readouterr().err.count("weak isolation") == 1
+        good = code_reward.reward_batch(tasks[:1], [["```python\ndef nope(): pass\n```"]])
+        assert good[0][0]["failure"] == "no_function"
+    finally:
+        sandbox_module.strong_isolation.cache_clear()
+        if code_reward._SANDBOX is not None:
+            code_reward._SANDBOX.close()

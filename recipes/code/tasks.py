@@ -18,7 +18,10 @@ import hashlib
 import random
 from collections.abc import Sequence
 
+import rewards.code as code_reward
+from mlx_grpo.config import ConfigError
 from mlx_grpo.recipe import Task
+from mlx_grpo.sandbox import ISOLATION, SandboxUnavailable
 from recipes.code.families import LEVELS, Spec
 from rewards.code import reward, reward_batch  # noqa: F401  (the recipe's reward)
 
@@ -89,10 +92,19 @@ def make_tasks(
     levels: Sequence[int] = (1, 2, 3, 4, 5),
     shots: int = 1,
     tests: int = 8,
+    isolation: str = "strong",
 ) -> list[Task]:
     """`n` distinct tasks of `split`, cycling through `levels` and their families, from
     `seed`; `shots` (0 or 1) worked examples precede the task; `tests` hidden tests each.
-    Stops early when the levels have no new tasks of this split left."""
+    Stops early when the levels have no new tasks of this split left. `isolation` is the
+    sandbox's level ("weak" must be asked for); the sandbox starts here, so a level this
+    machine cannot give is refused, in one line, before anything runs."""
+    if isolation not in ISOLATION:
+        raise ValueError(f"isolation must be one of {ISOLATION}, got {isolation!r}")
+    try:
+        code_reward.use_isolation(isolation)
+    except SandboxUnavailable as e:
+        raise ConfigError(str(e)) from None
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if shots not in (0, 1):
