@@ -62,6 +62,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_grpo.tether import tether, untether
+
 CHILD = Path(__file__).with_name("_sandbox_child.py")
 SLOT_UID_BASE = 60000  # uids (and gids) 60000.. are used for sandbox slots when root
 SLOT_UID_COUNT = 4096  # how far past the base a Sandbox looks for free uids
@@ -504,6 +506,7 @@ class Sandbox:
                 start_new_session=True,  # its own process group, killed as a whole
                 close_fds=True,
             )
+            tether(proc.pid)  # killed with this process, however it ends
             data, timed_out, overflow = _exchange(
                 proc, json.dumps(payload).encode(), lim.wall_s, lim.result_bytes
             )
@@ -513,6 +516,8 @@ class Sandbox:
             out = _outcome(rc, data, timed_out, overflow, len(job.inputs))
         finally:
             _kill_all(proc, uid)
+            if proc is not None:
+                untether(proc.pid)
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
         out.seconds = time.perf_counter() - tic

@@ -511,6 +511,51 @@ def test_threads_and_forked_memory_count_against_the_job(bare_sandbox):
     assert out[1].reason == ("process" if SECCOMP else "process_limit"), out[1]
 
 
+def _sandboxed_pids() -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes() if p.name.isdigit() else b""
+            if b"/sandbox/child.py" in cmd or b"_sandbox_child.py" in cmd:
+                out.append(int(p.name))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("isolation", ["strong", "weak"])
+def test_no_program_outlives_a_killed_trainer(isolation):
+    """kill -9 of the process that runs the sandbox (a program sleeping inside, well
+    within its wall clock) leaves no sandboxed process behind."""
+    if isolation == "strong" and not STRONG:
+        pytest.skip("strong isolation on Linux needs bubblewrap")
+    import signal
+    import subprocess
+
+    script = (
+        "from mlx_grpo.sandbox import Job, Limits, Sandbox\n"
+        f"sb = Sandbox(Limits(wall_s=120, cpu_s=60), workers=1, isolation={isolation!r})\n"
+        "sb.run([Job('import time\\ndef f():\\n    time.sleep(100)', 'f', [[]])])\n"
+    )
+    before = set(_sandboxed_pids())
+    trainer = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(200):
+            if set(_sandboxed_pids()) - before:
+                break
+            time.sleep(0.05)
+        assert set(_sandboxed_pids()) - before, "the program never started"
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    for _ in range(100):
+        if not set(_sandboxed_pids()) - before:
+            break
+        time.sleep(0.05)
+    assert not set(_sandboxed_pids()) - before
+
+
 def test_weak_isolation_must_be_asked_for(monkeypatch, capsys):
     """Without bubblewrap the code recipe refuses in one line that says what to install
     and how to opt in; opting in runs, with one warning line."""
