@@ -1,9 +1,11 @@
 """Atomic checkpoints of everything a run needs to continue exactly (the folder layout:
 `mlx_grpo.runfolder`).
 
-A step folder is written under a temporary name and renamed when complete, and
-`latest` and the top-level adapters are replaced with os.replace, so a run killed at
-any moment leaves the previous checkpoint intact.
+A step folder is written under a temporary name, each file fsynced, and renamed when
+complete; `latest` and the top-level adapters are replaced atomically
+(mlx_grpo.durable), so a run killed at any moment, or a power cut, leaves the previous
+checkpoint intact. A checkpoint that cannot be read (a truncated or foreign file) is
+reported in one line naming the file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_grpo.durable import crash_point, fsync_dir, fsync_file, write_atomic
 from mlx_grpo.runfolder import RunFolder
 
 
@@ -32,15 +35,13 @@ class TrainState:
 
 
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def _replace_file(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+def _save_safetensors(path: Path, arrays: dict) -> None:
+    mx.save_safetensors(str(path), arrays)
+    fsync_file(path)
+    crash_point()
 
 
 def save_checkpoint(
@@ -59,35 +60,50 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         adapters = dict(tree_flatten(model.trainable_parameters()))
-        mx.save_safetensors(str(tmp / run.ADAPTERS), adapters)
+        _save_safetensors(tmp / run.ADAPTERS, adapters)
         _write_json(tmp / run.ADAPTER_CONFIG, adapter_config)
-        mx.save_safetensors(str(tmp / run.OPTIMIZER), dict(tree_flatten(optimizer.state)))
+        _save_safetensors(tmp / run.OPTIMIZER, dict(tree_flatten(optimizer.state)))
         _write_json(
             tmp / run.STATE,
             {"step": state.step, "counters": state.counters, "curriculum": state.curriculum},
         )
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
+        fsync_dir(run.path)
+        crash_point()
         _write_json(run.latest_file, {"step_dir": final.name, "step": step})
-        for name in (run.ADAPTERS, run.ADAPTER_CONFIG):
-            _replace_file(final / name, run.path / name)
-    except OSError as e:
+        publish_adapters(final)
+    except (OSError, RuntimeError) as e:  # RuntimeError: MLX's own write failing
         shutil.rmtree(tmp, ignore_errors=True)
         prev = run.latest_step_dir()
         kept = f"; the previous checkpoint {prev} is intact" if prev else ""
-        raise CheckpointError(f"checkpoint: cannot write {final}: {e.strerror or e}{kept}") from e
+        why = getattr(e, "strerror", None) or _why(e)
+        raise CheckpointError(f"checkpoint: cannot write {final}: {why}{kept}") from e
     for old in run.step_dirs()[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def publish_adapters(step_dir: Path) -> None:
+    """Make the run folder's top-level adapters those of `step_dir` (atomically, each
+    file; a no-op when they already are): a resumed run redoes this, in case the kill
+    came between `latest` and these copies."""
+    run = RunFolder(step_dir.parent)
+    for name in (run.ADAPTERS, run.ADAPTER_CONFIG):
+        data, top = (step_dir / name).read_bytes(), run.path / name
+        if not top.exists() or top.read_bytes() != data:
+            write_atomic(top, data)
+
+
 def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
     """Restore adapters and optimizer state in place; return the trainer state.
 
-    Every mismatch between the checkpoint's adapters and the model is reported at once.
+    Every mismatch between the checkpoint's adapters and the model is reported at once;
+    an unreadable file (truncated, corrupt, not a checkpoint's) in one line naming it.
     """
-    adapters = mx.load(str(step_dir / RunFolder.ADAPTERS))
+    adapters = _load_arrays(step_dir / RunFolder.ADAPTERS)
     expected = dict(tree_flatten(model.trainable_parameters()))
     errors = [f"missing {k}" for k in expected if k not in adapters]
     errors += [f"unexpected {k}" for k in adapters if k not in expected]
@@ -99,9 +115,36 @@ def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
     if errors:
         shown = "; ".join(errors[:5]) + (f"; +{len(errors) - 5} more" if len(errors) > 5 else "")
         raise CheckpointError(f"checkpoint: {step_dir} does not fit this model's LoRA: {shown}")
+    opt_file = step_dir / RunFolder.OPTIMIZER
+    opt_state = _load_arrays(opt_file)
+    state_file = step_dir / RunFolder.STATE
+    try:
+        state = json.loads(state_file.read_text())
+        train_state = TrainState(int(state["step"]), dict(state["counters"]), state["curriculum"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint: {state_file} is unreadable ({_why(e)})") from None
+    if not isinstance(train_state.curriculum, dict):
+        raise CheckpointError(f"checkpoint: {state_file} is unreadable (no curriculum state)")
     model.load_weights(list(adapters.items()), strict=False)
-    opt_state = mx.load(str(step_dir / RunFolder.OPTIMIZER))
-    optimizer.state = tree_unflatten(list(opt_state.items()))
-    state = json.loads((step_dir / RunFolder.STATE).read_text())
-    mx.eval(model.parameters(), optimizer.state)
-    return TrainState(state["step"], state["counters"], state["curriculum"])
+    try:
+        optimizer.state = tree_unflatten(list(opt_state.items()))
+        mx.eval(model.parameters(), optimizer.state)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint: {opt_file} does not fit ({_why(e)})") from None
+    return train_state
+
+
+def _load_arrays(path: Path) -> dict:
+    """The arrays of a safetensors file, or CheckpointError in one line."""
+    try:
+        arrays = mx.load(str(path))
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint: {path} is unreadable ({_why(e)})") from None
+    if not isinstance(arrays, dict):
+        raise CheckpointError(f"checkpoint: {path} is not a safetensors file")
+    return arrays
+
+
+def _why(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]

@@ -8,6 +8,7 @@ mlx.launch --hostfile hosts.json python -m mlx_grpo train ...   (data-parallel, 
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import json
 import sys
@@ -54,9 +55,19 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
         if not saved.exists():
             raise ConfigError(f"--resume: {saved} not found (not a run folder)")
         step_dir = folder.latest_step_dir()
+        named = folder.latest_named()
         if step_dir is None:
-            raise CheckpointError(f"--resume: {run_dir} has no complete checkpoint yet")
-        base = json.loads(saved.read_text())
+            print(f"--resume: {run_dir} has no checkpoint yet; starting it again", file=sys.stderr)
+        elif named != step_dir.name:
+            print(
+                f"--resume: {folder.latest_file} names {named or 'nothing readable'}, which "
+                f"is missing or incomplete; resuming from {step_dir.name}",
+                file=sys.stderr,
+            )
+        try:
+            base = json.loads(saved.read_text())
+        except ValueError as e:
+            raise ConfigError(f"--resume: {saved} is not valid JSON ({e})") from None
         cfg = build_config(base, args.config, overrides, source="config")
         return cfg, run_dir, step_dir
 
@@ -110,7 +121,7 @@ def cmd_train(argv: list[str]) -> int:
         trainable_count,
     )
     from mlx_grpo.recipe import Recipe
-    from mlx_grpo.trainer import build_optimizer, train
+    from mlx_grpo.trainer import Interrupted, build_optimizer, train
 
     dist = Dist()
     cfg, run_dir, resume_from = _shared_config(dist, argv)
@@ -170,10 +181,19 @@ def cmd_train(argv: list[str]) -> int:
                 info=display.info,
                 dist=dist,
             )
+        except Interrupted as e:
+            display.info(
+                f"stopped after step {e.step}, saved; continue with: "
+                f"python -m mlx_grpo train --resume {run_dir}"
+            )
+            return 130
         except KeyboardInterrupt:
             if dist.is_main:
+                saved = RunFolder(run_dir).latest_step_dir()
+                where = f"from {saved.name}" if saved else "from the start"
                 display.info(
-                    f"interrupted; continue with: python -m mlx_grpo train --resume {run_dir}"
+                    f"interrupted; continue ({where}) with: "
+                    f"python -m mlx_grpo train --resume {run_dir}"
                 )
             return 130
     if dist.is_main:
@@ -311,4 +331,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except (ConfigError, CheckpointError, ModelLoadError, TrainingError, DistError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(
+            f"error: {e.filename or 'a run file'}: {e.strerror}; the last checkpoint is "
+            "intact: free some space and continue with --resume",
+            file=sys.stderr,
+        )
         sys.exit(2)

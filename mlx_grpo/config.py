@@ -112,11 +112,13 @@ class GRPOConfig(_Section):
         description="Updates per rollout batch. 1 is policy gradient with a group baseline "
         "(the ratio is 1); >1 reuses samples and makes the clipping matter.",
     )
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "turn"] = Field(
         "dapo",
         description="'grpo': mean over sequences of each sequence's token mean (favours "
         "short correct and long wrong answers); 'dr_grpo': token sum / (N * "
-        "max_new_tokens), length-unbiased; 'dapo': token mean over the whole batch.",
+        "max_new_tokens), length-unbiased; 'dapo': token mean over the whole batch; "
+        "'turn': each reply of a multi-turn episode weighs one unit (its token mean), "
+        "summed over the episode's turns, mean over episodes ('grpo' when single-turn).",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",

@@ -4,7 +4,6 @@ sampled, single- or multi-turn. Used during training (`train.eval_every`), by
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_grpo.config import RolloutConfig
+from mlx_grpo.durable import append_record
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.rollout import make_rollout_sampler, rollout_tasks
 
@@ -105,8 +105,7 @@ def make_eval_fn(
         results = evaluate(model, tokenizer, recipe, tasks, cfg)
         if log_path is not None:
             record = {"step": step, **(extra or {}), "results": [r.to_dict() for r in results]}
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_record(log_path, record)
         return {**summarize(results), "time/eval_s": time.perf_counter() - tic}
 
     return run

@@ -20,7 +20,10 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
 - `loss_type="dapo"` (default, AGG): the token mean over all completion tokens of the
   batch. "grpo" (paper) averages each sequence's token mean, so short sequences weigh
   more per token; "dr_grpo" sums tokens and divides by N * max_new_tokens (a constant,
-  so no length bias).
+  so no length bias). "turn" (multi-turn episodes) gives each reply of an episode one
+  unit of weight, its token mean, and sums them over the episode's turns, then takes
+  the mean over episodes: a long reply weighs no more than a short one, a decision made
+  at each of five turns five times one made once (for single-turn recipes it is "grpo").
 - `skip_zero_variance_groups=True` (default): groups whose rewards are all equal
   (A = 0, only the KL term) are left out of the batch, so they count neither in the
   loss nor in its divisors (N, the token count); the trainer logs their share as
@@ -51,6 +54,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_grpo.logprobs import completion_logprobs, effective_lengths
 
@@ -211,7 +215,27 @@ def aggregate(
         return (values * mask).sum() / (rows * max_new_tokens)
     if loss_type == "dapo":
         return masked_mean(values, mask, total_tokens)
-    raise ValueError(f"loss_type must be grpo|dr_grpo|dapo, got {loss_type!r}")
+    if loss_type == "turn":
+        per_seq = (values * mask * turn_weights(mask)).sum(axis=1)
+        return per_seq.mean() if total_rows is None else per_seq.sum() / total_rows
+    raise ValueError(f"loss_type must be grpo|dr_grpo|dapo|turn, got {loss_type!r}")
+
+
+def turn_weights(mask: mx.array) -> mx.array:
+    """[N, C]: 1 / (length of its turn) on each loss token, a turn being a run of
+    consecutive loss tokens (one reply of a multi-turn episode; the whole completion
+    of a single-turn one). A constant of the update (computed from the mask).
+
+    >>> (3 * np.array(turn_weights(mx.array([[1.0, 1, 0, 0, 1, 1, 1, 0]])))).round(2).tolist()
+    [[1.5, 1.5, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]]
+    """
+    m = np.array(mask) > 0
+    edges = np.diff(np.pad(m.astype(np.int8), ((0, 0), (1, 1))), axis=1)
+    w = np.zeros(m.shape, np.float32)
+    for row, col in zip(*np.nonzero(edges == 1)):
+        end = col + int(np.argmax(edges[row, col + 1 :] == -1)) + 1
+        w[row, col:end] = 1.0 / (end - col)
+    return mx.array(w)
 
 
 def masked_mean(x: mx.array, mask: mx.array, total_tokens: float | None = None) -> mx.array:

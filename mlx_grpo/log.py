@@ -3,7 +3,6 @@ terminal, one line per step elsewhere (CI logs, pipes)."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from mlx_grpo.durable import append_record
 
 KEY_METRICS = (
     "reward/mean",
@@ -51,25 +52,14 @@ def level_mix(m: dict) -> str:
     return " ".join(f"L{n} {v:.0%}" for n, v in lv)
 
 
-def truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop records after `max_step` (steps a killed run logged but never saved)."""
-    if not path.exists():
-        return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= max_step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
-
-
 class JsonlWriter:
+    """Appends one record per call, durably (mlx_grpo.durable)."""
+
     def __init__(self, path: Path):
         self.path = path
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.path, record)
 
 
 class Display:

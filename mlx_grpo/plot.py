@@ -7,11 +7,11 @@ each level in the tasks the curriculum drew.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from mlx_grpo.durable import read_jsonl
 from mlx_grpo.runfolder import RunFolder
 
 
@@ -23,7 +23,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = RunFolder(run_dir).metrics_file
     if not path.exists():
         raise PlotError(f"{path}: not found (is {run_dir} a run folder?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)[0]
     if not rows:
         raise PlotError(f"{path}: no steps logged yet")
     return rows
@@ -53,7 +53,7 @@ def held_out(run_dir: Path, rows: list[dict]) -> dict[str, tuple[np.ndarray, np.
     if path.exists():
         from mlx_grpo.evaluate import TaskResult, summarize
 
-        recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        recs = read_jsonl(path)[0]
         sums = [(r["step"], summarize([TaskResult(**t) for t in r["results"]])) for r in recs]
         keys = {k for _, d in sums for k in d if "/level_" not in k}
         return {

@@ -112,6 +112,14 @@ class RunFolder:
         dirs = (p for p in self.path.glob(f"{STEP_PREFIX}*") if p.is_dir())
         return sorted(p for p in dirs if not complete or (p / self.STATE).exists())
 
+    def latest_named(self) -> str | None:
+        """The step folder `latest` names, or None when it cannot be read."""
+        try:
+            name = json.loads(self.latest_file.read_text())["step_dir"]
+            return name if isinstance(name, str) else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def latest_step_dir(self) -> Path | None:
         """The newest complete step folder (from `latest`, else by name), or None."""
         try:
@@ -131,8 +139,10 @@ class RunFolder:
 
     def write_config(self, cfg) -> None:
         """config.json from a pydantic RunConfig."""
+        from mlx_grpo.durable import write_atomic
+
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config_file.write_text(cfg.model_dump_json(indent=2) + "\n")
+        write_atomic(self.config_file, cfg.model_dump_json(indent=2) + "\n")
 
     @classmethod
     def is_run(cls, path: Path) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -14,10 +16,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from mlx_grpo.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from mlx_grpo.checkpoint import TrainState, load_checkpoint, publish_adapters, save_checkpoint
 from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.dist import Dist
+from mlx_grpo.durable import cut_jsonl
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
@@ -26,7 +29,7 @@ from mlx_grpo.grpo import (
     micro_batches,
     zero_variance_groups,
 )
-from mlx_grpo.log import JsonlWriter, truncate_jsonl
+from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled
 from mlx_grpo.procmem import descendants_bytes
@@ -37,6 +40,39 @@ from mlx_grpo.runfolder import RunFolder
 
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many non-finite updates in a row)."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the run stopped at the end of step `step`, saved there."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted after step {step}")
+        self.step = step
+
+
+class _CtrlC:
+    """The first Ctrl-C asks the loop to stop at the end of the step, with a checkpoint;
+    a second one stops at once (KeyboardInterrupt). Only a single-process run in the
+    main thread takes over SIGINT; elsewhere Ctrl-C stops at once, as before."""
+
+    def __init__(self, say, enabled: bool):
+        self.say, self.requested, self.prev = say, False, None
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+
+    def __enter__(self):
+        if self.enabled:
+            self.prev = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            signal.signal(signal.SIGINT, self.prev)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.say("Ctrl-C: stopping at the end of this step, with a checkpoint (Ctrl-C again: now)")
 
 
 def build_optimizer(cfg: OptimizerConfig, total_updates: int) -> optim.AdamW:
@@ -192,7 +228,7 @@ def train(
         say = _silent
     run = RunFolder(run_dir)
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
-    start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum)
+    start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum, say)
     if main and evaluate_fn and cfg.train.eval_every and start == 0:
         # The base model's held-out figures: where the curves in eval.jsonl start.
         base = evaluate_fn(0, {"rollout_tokens": 0})
@@ -206,97 +242,106 @@ def train(
     loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
     history: list[dict] = []
 
-    for step in range(start + 1, cfg.train.steps + 1):
-        mx.reset_peak_memory()
-        # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
-        # run samples exactly what the uninterrupted run would have sampled. Each
-        # completion has its own key, so it does not depend on how many ranks share
-        # the step.
-        step_seed = cfg.train.seed * 1_000_003 + step
-        mx.random.seed(step_seed)
-        n_tasks = math.ceil(b * curriculum.oversample)
-        tasks = curriculum.sample(n_tasks)  # the same on every rank
-        mine = dist.share(n_tasks)
-        my_tasks = tasks[mine.start : mine.stop]
-        keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
-        samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
+    with _CtrlC(say, dist.size == 1) as ctrl_c:
+        for step in range(start + 1, cfg.train.steps + 1):
+            mx.reset_peak_memory()
+            # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
+            # run samples exactly what the uninterrupted run would have sampled. Each
+            # completion has its own key, so it does not depend on how many ranks share
+            # the step.
+            step_seed = cfg.train.seed * 1_000_003 + step
+            mx.random.seed(step_seed)
+            n_tasks = math.ceil(b * curriculum.oversample)
+            tasks = curriculum.sample(n_tasks)  # the same on every rank
+            mine = dist.share(n_tasks)
+            my_tasks = tasks[mine.start : mine.stop]
+            keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
+            samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
 
-        # Roll out and score this rank's groups; every rank then sees every record.
-        model.eval()
-        rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
-        scored = recipe.score_rollout(my_tasks, rollout)
-        sample_step = bool(
-            cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
-        )
-        tic = time.perf_counter()
-        shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
-        gather_s = time.perf_counter() - tic
-        records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
-        rewards = np.array([r.reward for r in records], dtype=np.float32)
-        if errors := [r.error for r in records if r.error]:
-            say(f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}")
-        counters.reward_errors += len(errors)
-        counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
-
-        # Advantages; the curriculum hears the rewards; the groups with signal train.
-        r_mx = mx.array(rewards)
-        advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
-        zero_var = np.array(zero_variance_groups(r_mx, g))
-        curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-        train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
-        tic = time.perf_counter()
-        it_metrics, delta, sync_s = [], 0.0, 0.0
-        if train_groups:  # the same on every rank: all of them join the update
-            local = [i - mine.start for i in train_groups if i in mine]
-            batch = None
-            if local:
-                batch = build_loss_inputs(
-                    rollout,
-                    advantages[mine.start * g : mine.stop * g],
-                    cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
-                    cfg.grpo.mask_truncated_completions,
-                    local,
+            # Roll out and score this rank's groups; every rank then sees every record.
+            model.eval()
+            rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
+            scored = recipe.score_rollout(my_tasks, rollout)
+            sample_step = bool(
+                cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
+            )
+            tic = time.perf_counter()
+            shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
+            gather_s = time.perf_counter() - tic
+            records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
+            rewards = np.array([r.reward for r in records], dtype=np.float32)
+            if errors := [r.error for r in records if r.error]:
+                say(
+                    f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}"
                 )
-            it_metrics, delta, sync_s = update_step(
-                model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
-                len(train_groups) * g,
-            )  # fmt: skip
-        update_s = time.perf_counter() - tic
+            counters.reward_errors += len(errors)
+            counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
 
-        budget = cfg.train.token_budget
-        last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
-        metrics = _step_metrics(
-            step, shares, records, rewards, advantages, zero_var, it_metrics,
-            lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
-            counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
-            ranks=dist.size, sync_s=gather_s + sync_s,
-        )  # fmt: skip
-        if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-            metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
-        _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
-        if main:
-            metrics_log.write(metrics)
-            if sample_step:
-                _write_samples(samples_log, step, tasks, records, g)
-        history.append(metrics)
-        if step % cfg.output.save_every == 0 or last:
-            state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
-            # On rank 0 only; a failure there stops every rank.
-            args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
-            dist.run_on_main(lambda a=args: str(save_checkpoint(*a)))
-        if callback is not None:
-            callback(step, metrics)
-        if last:
-            if step < cfg.train.steps:
-                say(f"step {step}: rollout token budget {budget} reached, stopping")
-            break
+            # Advantages; the curriculum hears the rewards; the groups with signal train.
+            r_mx = mx.array(rewards)
+            advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
+            zero_var = np.array(zero_variance_groups(r_mx, g))
+            curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
+            train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
+            tic = time.perf_counter()
+            it_metrics, delta, sync_s = [], 0.0, 0.0
+            if train_groups:  # the same on every rank: all of them join the update
+                local = [i - mine.start for i in train_groups if i in mine]
+                batch = None
+                if local:
+                    batch = build_loss_inputs(
+                        rollout,
+                        advantages[mine.start * g : mine.stop * g],
+                        cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                        cfg.grpo.mask_truncated_completions,
+                        local,
+                    )
+                it_metrics, delta, sync_s = update_step(
+                    model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
+                    len(train_groups) * g,
+                )  # fmt: skip
+            update_s = time.perf_counter() - tic
+
+            budget = cfg.train.token_budget
+            last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
+            metrics = _step_metrics(
+                step, shares, records, rewards, advantages, zero_var, it_metrics,
+                lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
+                counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
+                ranks=dist.size, sync_s=gather_s + sync_s,
+            )  # fmt: skip
+            if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+                metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
+            _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
+            if main:
+                metrics_log.write(metrics)
+                if sample_step:
+                    _write_samples(samples_log, step, tasks, records, g)
+            history.append(metrics)
+            stopping = ctrl_c.requested
+            if step % cfg.output.save_every == 0 or last or stopping:
+                state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
+                # On rank 0 only; a failure there stops every rank.
+                args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
+                dist.run_on_main(lambda a=args: str(save_checkpoint(*a)))
+            if callback is not None:
+                callback(step, metrics)
+            if stopping and not last:
+                raise Interrupted(step)
+            if last:
+                if step < cfg.train.steps:
+                    say(f"step {step}: rollout token budget {budget} reached, stopping")
+                break
     return history
 
 
-def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum):
+def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum, say):
     """(first step to run - 1, counters): restored from `resume_from`, whose step the
     logs are cut back to; else fresh, with the same adapters on every rank."""
     if resume_from is None:
+        if dist.is_main:  # a run started again before its first checkpoint: no old steps
+            for log in run.logs:
+                cut_jsonl(log, -1)
         if dist.size > 1:  # the same adapters everywhere even if the ranks' RNGs differ
             sent = dist.broadcast_arrays(_adapters(model) if dist.is_main else None)
             model.load_weights(list(sent.items()), strict=False)
@@ -305,7 +350,9 @@ def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum
     curriculum.load_state_dict(st.curriculum)
     if dist.is_main:
         for log in run.logs:
-            truncate_jsonl(log, st.step)
+            if note := cut_jsonl(log, st.step):
+                say(note)
+        publish_adapters(resume_from)
     return st.step, Counters(**st.counters)
 
 

@@ -82,12 +82,22 @@ def np_loss_and_grad(logp, old, ref, adv, mask, eps_lo, eps_hi, beta, loss_type,
         w = mask / mask.sum(1, keepdims=True) / n
     elif loss_type == "dr_grpo":
         w = mask / (n * max_new)
+    elif loss_type == "turn":  # each run of loss tokens (a reply) weighs 1, split evenly
+        w = np.zeros_like(mask)
+        for i in range(n):
+            j = 0
+            while j < mask.shape[1]:
+                k = j
+                while k < mask.shape[1] and mask[i, k] > 0:
+                    k += 1
+                w[i, j:k] = 1.0 / max(k - j, 1) / n
+                j = k + 1
     else:
         w = mask / mask.sum()
     return (tok * w).sum(), d_tok * w
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_loss_and_gradient_match_numpy(loss_type, beta):
     rng = np.random.default_rng(1)
@@ -111,6 +121,17 @@ def test_loss_and_gradient_match_numpy(loss_type, beta):
     np.testing.assert_allclose(np.array(grad), ref_grad, rtol=1e-4, atol=1e-7)
     # The test can fail: some tokens are clipped (zero gradient) and some are not.
     assert (np.array(grad)[mask > 0] == 0).any() == (beta == 0)
+
+
+def test_turn_loss_is_grpo_for_single_turn_completions():
+    rng = np.random.default_rng(4)
+    tok = mx.array(rng.normal(size=(5, 9)).astype(np.float32))
+    mask = np.zeros((5, 9), np.float32)
+    for i, n in enumerate([9, 3, 1, 6, 4]):
+        mask[i, :n] = 1  # one reply each: a run of loss tokens from the start
+    a = aggregate(tok, mx.array(mask), "turn", 9).item()
+    b = aggregate(tok, mx.array(mask), "grpo", 9).item()
+    assert abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
 def test_clip_fraction_counts_clipped_tokens():
@@ -257,7 +278,7 @@ def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
     assert abs(loss_of(changed) - base) > 1e-4
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
 def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type):
     """Data-parallel runs: two shares of a batch (uneven token counts), each divided
     by the whole batch's counts, add up to the whole batch's loss, metrics and
@@ -300,7 +321,7 @@ def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type):
     assert abs((a_own["loss"] + b_own["loss"]).item() - whole["loss"].item()) > 1e-3
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
 def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss_type):
     """The update split into micro-batches (whole groups together, a long group cut
     into runs of rows) sums to the one-piece update: loss, metrics and gradient."""

@@ -261,3 +261,189 @@ def test_step_metrics_log_every_component_even_when_the_first_reward_raised():
     )
     assert out["reward/ascii"] == pytest.approx(0.5) and out["reward/short"] == pytest.approx(1 / 3)
     assert out["fail/error"] == 1
+
+
+# ---------------------------------------------------------------- crash consistency
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    """What a finished run leaves that must not depend on how it got there."""
+    names = ["metrics.jsonl", "samples.jsonl", "adapters.safetensors", "adapter_config.json"]
+    return {n: (run_dir / n).read_bytes() for n in names if (run_dir / n).exists()}
+
+
+def _same_run(a: Path, b: Path) -> None:
+    assert _comparable(_metrics(a)) == _comparable(_metrics(b))
+    assert (a / "samples.jsonl").read_text() == (b / "samples.jsonl").read_text()
+    x, y = mx.load(str(a / "adapters.safetensors")), mx.load(str(b / "adapters.safetensors"))
+    assert x.keys() == y.keys() and all(mx.array_equal(x[k], y[k]).item() for k in y)
+
+
+@pytest.mark.slow
+def test_a_kill_at_any_write_point_resumes_to_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """Every write of a run (each log record, each checkpoint file, `latest`, the top
+    adapters; before, halfway through and after it) in turn is the instant of a kill -9
+    (MLX_GRPO_CRASH_AT, mlx_grpo/durable.py); `--resume` then ends in the same metrics,
+    samples and adapters as the run that was never interrupted."""
+    steps = ["--train.steps=2", "--output.save_every=1", "--train.sample_every=1"]
+    full = _run_cli(_args(tiny_model_dir, tmp_path, "full", *steps))
+    assert full.wait(timeout=300) == 0, full.stdout.read().decode()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    point = 0
+    while True:
+        point += 1
+        run = f"crash-{point}"
+        crashed = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlx_grpo",
+                "train",
+                *_args(tiny_model_dir, tmp_path, run, *steps),
+            ],
+            env={**env, "MLX_GRPO_CRASH_AT": str(point)},
+            capture_output=True,
+            timeout=300,
+        )
+        if crashed.returncode == 0:
+            break  # past the last write point: the run finished
+        assert crashed.returncode == 137, crashed.stdout.decode() + crashed.stderr.decode()
+        again = ["--resume", str(tmp_path / run)]
+        if not (tmp_path / run / "config.json").exists():  # killed before it: start again
+            again = _args(tiny_model_dir, tmp_path, run, *steps)
+        resumed = subprocess.run(
+            [sys.executable, "-m", "mlx_grpo", "train", *again],
+            env=env,
+            capture_output=True,
+            timeout=300,
+        )
+        said = resumed.stdout.decode() + resumed.stderr.decode()
+        assert resumed.returncode == 0, (point, said)
+        assert "Traceback" not in said
+        try:
+            _same_run(tmp_path / run, tmp_path / "full")
+        except AssertionError as e:
+            raise AssertionError(f"killed at write point {point}: {e}") from None
+    assert point > 20  # the points were really hit: 2 steps write more than 20 times
+
+
+def test_a_torn_last_record_in_each_log_is_dropped_with_one_line(tiny_model_dir, tmp_path):
+    """The power cut inside a log write: `{"step": 3, "reward/me` at the end of
+    metrics.jsonl (and of samples.jsonl) resumes, saying what it dropped."""
+    steps = ["--train.steps=4", "--output.save_every=2", "--train.sample_every=1"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "torn", "--train.steps=2", *steps[1:])) == 0
+    run = tmp_path / "torn"
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        with open(run / name, "a") as f:
+            f.write('{"step": 3, "reward/me')
+    resumed = subprocess.run(
+        [sys.executable, "-m", "mlx_grpo", "train", "--resume", str(run), "--train.steps=4"],
+        capture_output=True,
+        timeout=300,
+    )
+    said = resumed.stdout.decode() + resumed.stderr.decode()
+    assert resumed.returncode == 0, said
+    assert "Traceback" not in said
+    assert said.count("dropped 1 unreadable line(s)") == 2, said
+    _same_run(run, tmp_path / "full")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["adapters_truncated", "optimizer_garbage", "state_not_json", "latest_nowhere", "config"],
+)
+def test_a_damaged_checkpoint_is_one_line(tiny_model_dir, tmp_path, damage, capsys):
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "r", "--train.steps=2")) == 0
+    run = tmp_path / "r"
+    step = run / "step-000002"
+    if damage == "adapters_truncated":
+        data = (step / "adapters.safetensors").read_bytes()
+        (step / "adapters.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "optimizer_garbage":
+        (step / "optimizer.safetensors").write_bytes(b"\x00" * 64)
+    elif damage == "state_not_json":
+        (step / "state.json").write_text('{"step": 2, "coun')
+    elif damage == "latest_nowhere":
+        (run / "latest").write_text('{"step_dir": "step-000099", "step": 99}')
+    else:
+        (run / "config.json").write_text("{")
+    from mlx_grpo.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--resume", str(run), "--train.steps=3"])
+    code = exit_.value.code
+    err = capsys.readouterr()
+    said = err.out + err.err
+    assert "Traceback" not in said
+    if damage == "latest_nowhere":  # the newest complete step folder is used instead
+        assert code == 0 and "names step-000099, which is missing" in said
+        return
+    assert code != 0
+    file = {
+        "adapters_truncated": "adapters.safetensors",
+        "optimizer_garbage": "optimizer.safetensors",
+        "state_not_json": "state.json",
+        "config": "config.json",
+    }[damage]
+    lines = [x for x in said.splitlines() if file in x]
+    assert len(lines) == 1 and lines[0].startswith("error:"), said
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tiny_model_dir, tmp_path):
+    """The first Ctrl-C lets the step finish, saves it and prints how to go on; the
+    resumed run ends where the uninterrupted one does."""
+    steps = ["--train.steps=12", "--output.save_every=5", "--train.sample_every=1"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
+    victim = _run_cli(_args(tiny_model_dir, tmp_path, "stopped", *steps))
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGINT)
+    out = victim.stdout.read().decode()
+    assert victim.wait(timeout=300) == 130, out
+    logged = len(_metrics(tmp_path / "stopped"))
+    assert logged < 12, "the run finished before Ctrl-C"
+    assert f"stopped after step {logged}, saved" in out and "--resume" in out, out
+    assert json.loads((tmp_path / "stopped" / "latest").read_text())["step"] == logged
+    resumed = _run_cli(["--resume", str(tmp_path / "stopped")])
+    said = resumed.stdout.read().decode()
+    assert resumed.wait(timeout=300) == 0, said
+    _same_run(tmp_path / "stopped", tmp_path / "full")
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """ENOSPC while writing step 4's checkpoint: one line, step 2's checkpoint intact;
+    with space again, --resume ends in the uninterrupted run."""
+    import errno
+
+    import mlx_grpo.checkpoint as ckpt
+    from mlx_grpo.cli import main
+
+    steps = ["--train.steps=6", "--output.save_every=2", "--train.sample_every=1"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
+    real = ckpt._save_safetensors
+
+    def full_disk(path, arrays):
+        if path.parent.name.endswith("step-000004"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, arrays)
+
+    monkeypatch.setattr(ckpt, "_save_safetensors", full_disk)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *_args(tiny_model_dir, tmp_path, "disk", *steps)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err, err
+    assert "the previous checkpoint" in err and "step-000002 is intact" in err, err
+    run = tmp_path / "disk"
+    assert json.loads((run / "latest").read_text())["step"] == 2
+    assert not list(run.glob(".tmp-step-*")) and not (run / "step-000004").exists()
+    monkeypatch.setattr(ckpt, "_save_safetensors", real)
+    assert cmd_train(["--resume", str(run)]) == 0
+    _same_run(run, tmp_path / "full")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_grpo.durable import read_jsonl
 from mlx_grpo.runfolder import RunFolder
 from mlx_grpo.stats import bootstrap_indices, percentile_interval
 
@@ -54,10 +55,7 @@ def read_curve(eval_jsonl: Path, key: str = "success") -> Curve:
     """The evaluations a run wrote to eval.jsonl (`key`: the component scored; the
     weighted reward when the recipe has no such component)."""
     tokens, per_task = [], []
-    for line in eval_jsonl.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for rec in read_jsonl(eval_jsonl)[0]:
         tokens.append(int(rec["rollout_tokens"]))
         per_task.append(
             {
