@@ -272,6 +272,13 @@ class RecipeConfig(_Section):
     tasks: str | None = Field(
         None, description="A JSONL file of tasks in the recipe folder (instead of tasks.py)."
     )
+    reward_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest a reward call may take (one per completion, or one per step "
+        "for batch and TRL-style rewards); past it those completions score 0 with "
+        "fail/timeout and the run goes on.",
+    )
     train_size: int = Field(2000, ge=1, description="Tasks generated for the train split.")
     eval_size: int = Field(
         200, ge=1, description="Tasks generated for the held-out split (never trained on)."

@@ -42,7 +42,9 @@ import json
 import math
 import random
 import sys
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -109,8 +111,10 @@ class Recipe:
         params: dict[str, Any],
         rewards: dict[str, str] | None = None,
         tasks: str | None = None,
+        reward_timeout_s: float = 120.0,
     ):
         self.name = name
+        self.reward_timeout_s = reward_timeout_s
         self.dir = recipe_dir(name)
         self.tasks_file = self.dir / tasks if tasks else None
         self.module = _load_module(self.dir, need_tasks=self.tasks_file is None)
@@ -131,7 +135,7 @@ class Recipe:
     @classmethod
     def from_config(cls, cfg) -> Recipe:
         """From a RecipeConfig (the run config's `recipe` section)."""
-        return cls(cfg.name, cfg.weights, cfg.params, cfg.rewards, cfg.tasks)
+        return cls(cfg.name, cfg.weights, cfg.params, cfg.rewards, cfg.tasks, cfg.reward_timeout_s)
 
     @property
     def max_reward(self) -> float:
@@ -177,7 +181,7 @@ class Recipe:
             for i, out in enumerate(self._module_rewards(tasks, groups)):
                 parts[i].append(out)
         for name, fn in self.reward_fns.items():
-            for i, out in enumerate(_call_reward(fn, name, flat)):
+            for i, out in enumerate(_call_reward(fn, name, flat, self.reward_timeout_s)):
                 parts[i].append(out)
         scored = [self._weigh(p) for p in parts]
         out, i = [], 0
@@ -199,22 +203,22 @@ class Recipe:
         batch = getattr(self.module, "reward_batch", None)
         if callable(batch):
             try:
-                res = batch(tasks, groups)
+                res = bounded(lambda: batch(tasks, groups), self.reward_timeout_s, "reward_batch")
                 if [len(r) for r in res] != [len(g) for g in groups]:
                     raise ValueError("reward_batch returned a different shape than its groups")
                 return [r for rs in res for r in rs]
             except Exception as e:
                 return [e] * sum(len(g) for g in groups)
-        return _call_reward(
-            self.module.reward, "reward", [(t, c) for t, g in zip(tasks, groups) for c in g]
-        )
+        flat = [(t, c) for t, g in zip(tasks, groups) for c in g]
+        return _call_reward(self.module.reward, "reward", flat, self.reward_timeout_s)
 
     def _weigh(self, parts: list) -> Scored:
         errors = [p for p in parts if isinstance(p, Exception)]
         if errors:
             e = errors[0]
             err = "".join(traceback.format_exception_only(type(e), e)).strip()
-            return Scored(0.0, dict.fromkeys(self.weights or ["reward"], 0.0), err)
+            failure = "timeout" if isinstance(e, RewardTimeout) else None
+            return Scored(0.0, dict.fromkeys(self.weights or ["reward"], 0.0), err, failure)
         comps: dict[str, float] = {}
         failure = None
         try:
@@ -252,18 +256,52 @@ class Recipe:
         self._checked = True
 
 
-def _call_reward(fn, name: str, flat: list[tuple[Task, Any]]) -> list[dict | Exception]:
+class RewardTimeout(RuntimeError):
+    """A reward function gave no result within recipe.reward_timeout_s."""
+
+
+def bounded(call: Callable[[], Any], timeout_s: float, what: str):
+    """`call()`'s result, or RewardTimeout after `timeout_s` seconds. The call runs in a
+    daemon thread, which is abandoned on timeout (Python cannot stop a thread; it no
+    longer holds up the run)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name=f"reward {what}")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeout(f"{what}: no result after {timeout_s:g} s (recipe.reward_timeout_s)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _call_reward(
+    fn, name: str, flat: list[tuple[Task, Any]], timeout_s: float = 120.0
+) -> list[dict | Exception]:
     """`fn` on every (task, completion): per completion, or once for a TRL-style
-    `f(completions, **kwargs)`; each result as a dict of components, or the exception."""
+    `f(completions, **kwargs)`; each result as a dict of components, or the exception
+    (RewardTimeout for a call that took longer than `timeout_s`)."""
     if _is_trl(fn):
         try:
             keys = sorted({k for t, _ in flat for k in t.payload})
-            values = fn(
-                completions=[c if isinstance(c, str) else str(c) for _, c in flat],
-                prompts=[t.messages for t, _ in flat],
-                task_ids=[t.id for t, _ in flat],
-                levels=[t.level for t, _ in flat],
-                **{k: [t.payload.get(k) for t, _ in flat] for k in keys},
+            kwargs = {k: [t.payload.get(k) for t, _ in flat] for k in keys}
+            values = bounded(
+                lambda: fn(
+                    completions=[c if isinstance(c, str) else str(c) for _, c in flat],
+                    prompts=[t.messages for t, _ in flat],
+                    task_ids=[t.id for t, _ in flat],
+                    levels=[t.level for t, _ in flat],
+                    **kwargs,
+                ),
+                timeout_s,
+                name,
             )
             values = list(values)
             if len(values) != len(flat):
@@ -276,7 +314,8 @@ def _call_reward(fn, name: str, flat: list[tuple[Task, Any]]) -> list[dict | Exc
     out: list[dict | Exception] = []
     for task, completion in flat:
         try:
-            out.append(_as_components(name, fn(task, completion)))
+            value = bounded(lambda t=task, c=completion: fn(t, c), timeout_s, name)
+            out.append(_as_components(name, value))
         except Exception as e:
             out.append(e)
     return out

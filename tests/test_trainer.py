@@ -447,3 +447,29 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(
     monkeypatch.setattr(ckpt, "_save_safetensors", real)
     assert cmd_train(["--resume", str(run)]) == 0
     _same_run(run, tmp_path / "full")
+
+
+def test_a_reward_that_never_returns_costs_only_its_completion(tiny_model_dir, tmp_path):
+    """A reward call that sleeps forever: after recipe.reward_timeout_s that completion
+    scores 0 as fail/timeout, the other completions of the step score, the run ends."""
+    import shutil
+
+    recipe = tmp_path / "hangs"
+    shutil.copytree(TOY, recipe)
+    (recipe / "hang.py").write_text(
+        "import threading\n"
+        "calls = []\n"
+        "def slow(task, completion):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 3:\n"
+        "        threading.Event().wait()  # forever\n"
+        "    return 1.0\n"
+    )
+    args = _args(tiny_model_dir, tmp_path, "r", "--train.steps=2")
+    args[1] = str(recipe)
+    args += ["--recipe.rewards.slow=hang.py:slow", "--recipe.weights.slow=1.0"]
+    assert cmd_train([*args, "--recipe.reward_timeout_s=0.5"]) == 0
+    first, second = _metrics(tmp_path / "r")
+    assert first["fail/timeout"] == 1 and first["reward/errors"] == 1
+    assert first["reward/slow"] == 7 / 8  # the other 7 completions of the step scored 1
+    assert second.get("fail/timeout", 0) == 0 and second["reward/slow"] == 1.0
