@@ -313,20 +313,31 @@ def _bwrap_argv(bwrap: str, lim: Limits, root: bool) -> list[str]:
 
 
 def _macos_profile(tmp: str) -> str:
-    """A sandbox-exec profile: deny by default; read the Python runtime and the system
-    libraries, read and write `tmp`; no network, no new processes."""
+    """A sandbox-exec profile: deny by default; read the Python runtime, the system
+    libraries and the child script, read and write `tmp`; no network, no new processes
+    (a framework build's `bin/python3.x` execs its `Python.app`, inside the runtime)."""
     exe, _, _ = _runtime()
     runtime = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
-    reads = " ".join(f"(subpath {json.dumps(p)})" for p in sorted(runtime))
-    work = json.dumps(os.path.realpath(tmp))
+    runtime.add(os.path.dirname(exe))
+    dirs = " ".join(f"(subpath {json.dumps(p)})" for p in sorted(runtime))
+    libs = " ".join(
+        f"(subpath {json.dumps(p)})"
+        for p in (
+            "/usr/lib",
+            "/System",
+            "/Library/Apple",
+            "/private/var/db/dyld",
+            "/opt/homebrew",
+            "/usr/local",
+        )
+    )
+    child, work = json.dumps(str(CHILD.resolve())), json.dumps(os.path.realpath(tmp))
     return f"""(version 1)
 (deny default)
-(allow process-exec (literal {json.dumps(exe)}))
+(allow process-exec {dirs})
 (allow file-read-metadata)
-(allow file-read* {reads} (subpath "/usr/lib") (subpath "/System")
-  (subpath "/Library/Apple") (subpath "/private/var/db/dyld") (subpath "/opt/homebrew/opt")
-  (subpath "/usr/local/opt") (literal "/dev/null") (literal "/dev/urandom")
-  (literal "/dev/random"))
+(allow file-read* {dirs} {libs} (literal {child})
+  (literal "/dev/null") (literal "/dev/urandom") (literal "/dev/random"))
 (allow file-read* file-write* (subpath {work}))
 (allow file-write-data (literal "/dev/null"))
 (allow sysctl-read)
