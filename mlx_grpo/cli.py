@@ -16,22 +16,34 @@ import time
 from pathlib import Path
 
 from mlx_grpo.checkpoint import CheckpointError
-from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
+from mlx_grpo.config import ConfigError, RunConfig, build_config, config_help, parse_overrides
 from mlx_grpo.recipe import recipe_defaults
 from mlx_grpo.runfolder import RunFolder, step_of
 
 USAGE = """\
-python -m mlx_grpo train [--recipe NAME|PATH] [--config FILE.toml] [--resume [RUN_DIR]]
-                         [--init-adapter DIR] [--section.field=value ...]
-
-Sections: model, lora, rollout, grpo, optimizer, train, curriculum, recipe, output
-(see mlx_grpo/config.py for every field). Examples:
+mlx-grpo train [--recipe NAME|PATH] [--config FILE.toml] [--resume [RUN_DIR]]
+               [--init-adapter DIR] [--section.field=value ...]
+  (or python -m mlx_grpo train ...). Examples:
   --train.steps=30 --grpo.num_generations=16 --model.path=path/to/mlx-model
+"""
+COMMANDS = """\
+usage: mlx-grpo COMMAND ...   (or python -m mlx_grpo COMMAND ...)
+
+  train     GRPO on a recipe (train --help: every option)
+  compare   A/B two models on a recipe's held-out tasks (python -m mlx_grpo.compare)
+  export    adapters to PEFT / a fused Hugging Face model / GGUF, push to the Hub
+  plot      a run's curves as a PNG
+  bench     speed against TRL and mlx-lm-lora (make bench; python -m mlx_grpo.bench)
 """
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m mlx_grpo train", usage=USAGE)
+    p = argparse.ArgumentParser(
+        prog="mlx-grpo train",
+        usage=USAGE,
+        epilog="options of the run config, by section:\n\n" + config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--recipe", default=None)
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--resume", nargs="?", const="", default=None)
@@ -311,15 +323,27 @@ def cmd_export(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m mlx_grpo train|plot|export ...\n\n" + USAGE)
+        print(COMMANDS)
         sys.exit(0)
     cmd, rest = argv[0], argv[1:]
+    if cmd == "compare":
+        from mlx_grpo.compare import main as compare_main
+
+        compare_main(rest)
+        sys.exit(0)
+    if cmd == "bench":
+        from mlx_grpo.bench.speed import main as bench_main
+
+        sys.exit(bench_main(rest))
     if cmd == "plot":
         sys.exit(cmd_plot(rest))
     if cmd == "export":
         sys.exit(cmd_export(rest))
     if cmd != "train":
-        print(f"error: unknown command '{cmd}' (commands: train, plot, export)", file=sys.stderr)
+        print(
+            f"error: unknown command '{cmd}' (commands: train, compare, export, plot, bench)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     from mlx_grpo.dist import DistError, RankZeroError
     from mlx_grpo.models import ModelLoadError

@@ -25,6 +25,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
+    """The policy model: which weights, how they are loaded."""
+
     path: str = Field(
         "default",
         description="'default' (embedded SmolLM2-135M-Instruct), a local MLX model folder, "
@@ -49,6 +51,8 @@ class ModelConfig(_Section):
 
 
 class LoRAConfig(_Section):
+    """The LoRA adapters that train (mlx_lm's)."""
+
     rank: int = Field(8, ge=1, description="LoRA rank r.")
     scale: float = Field(20.0, gt=0, description="mlx_lm's LoRA scale (PEFT's lora_alpha / r).")
     dropout: float = Field(
@@ -65,6 +69,8 @@ class LoRAConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    """Sampling the completions (and multi-turn episodes)."""
+
     max_new_tokens: int = Field(64, ge=1, description="Completion length limit.")
     max_prompt_tokens: int = Field(
         1024,
@@ -91,6 +97,8 @@ class RolloutConfig(_Section):
 
 
 class GRPOConfig(_Section):
+    """The objective: groups, advantages, clipping, KL, loss normalisation."""
+
     num_generations: int = Field(
         8, ge=2, description="G: completions per prompt; advantages are relative to the group."
     )
@@ -155,6 +163,8 @@ class GRPOConfig(_Section):
 
 
 class OptimizerConfig(_Section):
+    """AdamW on the adapters, and its schedule."""
+
     learning_rate: float = Field(
         1e-5, gt=0, description="AdamW's peak learning rate (after warm-up, before decay)."
     )
@@ -173,6 +183,8 @@ class OptimizerConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """The loop: steps, batch, seed, held-out evaluation, logging."""
+
     steps: int = Field(100, ge=1, description="Updates (steps of B groups) in the run.")
     batch_size: int = Field(2, ge=1, description="B: prompts per step (B*G completions).")
     seed: int = Field(
@@ -202,6 +214,8 @@ class TrainConfig(_Section):
 
 
 class CurriculumConfig(_Section):
+    """Which tasks each step trains on (UED)."""
+
     strategy: Literal["learnability", "uniform", "filter"] = Field(
         "learnability",
         description="'learnability': prioritised replay of tasks whose group rewards vary "
@@ -255,6 +269,8 @@ class CurriculumConfig(_Section):
 
 
 class RecipeConfig(_Section):
+    """The task family: its tasks and its weighted reward."""
+
     name: str = Field("arithmetic", description="A folder under recipes/, or a path.")
     weights: dict[str, float] = Field(
         default_factory=dict,
@@ -286,6 +302,8 @@ class RecipeConfig(_Section):
 
 
 class OutputConfig(_Section):
+    """Where the run is written, how often it is saved, what is shown."""
+
     dir: str = Field("checkpoints", description="Runs are written to <dir>/<run>/.")
     run: str | None = Field(None, description="Run name; default <recipe>-<timestamp>.")
     save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
@@ -293,6 +311,20 @@ class OutputConfig(_Section):
     live: Literal["auto", "yes", "no"] = Field(
         "auto", description="Rich live display; 'auto' only on a terminal."
     )
+
+
+def config_help() -> str:
+    """Every section of a run config with its fields, defaults and descriptions, as
+    `--section.field` options (the train command's --help)."""
+    lines = []
+    for section, info in RunConfig.model_fields.items():
+        cls = info.annotation
+        lines.append(f"{section}: {(cls.__doc__ or '').strip()}")
+        for name, field in cls.model_fields.items():
+            default = field.default_factory() if field.default_factory else field.default
+            lines.append(f"  --{section}.{name} ({default!r}): {field.description or ''}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 class RunConfig(_Section):

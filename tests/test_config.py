@@ -40,7 +40,7 @@ def test_layers_apply_in_order(tmp_path):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--grpo.loss_type=ppo"], "grpo.loss_type: Input should be 'grpo', 'dr_grpo' or 'dapo'"),
+        (["--grpo.loss_type=ppo"], "grpo.loss_type: Input should be 'grpo', 'dr_grpo', 'dapo' or 'turn'"),
         (["--grpo.num_generations=1"], "grpo.num_generations"),
         (["--train.steps=many"], "train.steps"),
         (["--grpo.bogus=1"], "unknown field 'grpo.bogus' (known: num_generations"),
@@ -67,3 +67,24 @@ def test_bad_command_line_and_files(tmp_path):
         ConfigError, match="recipe: 'nope' not found \\(built-in recipes: arithmetic"
     ):
         recipe_defaults("nope")
+
+
+def test_one_command_lists_every_option_of_every_section(capsys):
+    """`mlx-grpo train --help` names every field of every config section with its
+    description; compare and bench answer --help through the same command."""
+    from mlx_grpo.cli import main
+    from mlx_grpo.config import RunConfig
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for section, info in RunConfig.model_fields.items():
+        assert f"\n{section}: " in text
+        for name, field in info.annotation.model_fields.items():
+            line = next(x for x in text.splitlines() if x.startswith(f"  --{section}.{name} ("))
+            assert field.description and field.description in line
+    for cmd in ("compare", "bench"):
+        with pytest.raises(SystemExit) as exit_:
+            main([cmd, "--help"])
+        assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
