@@ -40,7 +40,10 @@ def test_layers_apply_in_order(tmp_path):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--grpo.loss_type=ppo"], "grpo.loss_type: Input should be 'grpo', 'dr_grpo', 'dapo' or 'turn'"),
+        (
+            ["--grpo.loss_type=ppo"],
+            "grpo.loss_type: Input should be 'grpo', 'dr_grpo', 'dapo' or 'turn'",
+        ),
         (["--grpo.num_generations=1"], "grpo.num_generations"),
         (["--train.steps=many"], "train.steps"),
         (["--grpo.bogus=1"], "unknown field 'grpo.bogus' (known: num_generations"),
