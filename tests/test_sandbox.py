@@ -420,9 +420,24 @@ def test_the_program_sees_only_the_python_runtime(bare_sandbox, home_secret):
     exe, binds, hidden = sandbox_module._runtime()
     allowed = [*binds, "/dev", "/tmp", "/work", "/sandbox/child.py"]
     reads = [str(families), str(home_secret), "/proc/self/status", "/etc/passwd"]
-    out = bare_sandbox.run([Job(probe, "f", [[p] for p in reads]), Job(walk, "f", [[allowed]])])
+    # The answer looked up relative to a descriptor for "/" (what the audit hook cannot
+    # follow): there is nothing to find.
+    at_root = (
+        "import os\ndef f(path):\n    root = os.open('/', os.O_RDONLY)\n    try:\n"
+        "        fd = os.open(path.lstrip('/'), os.O_RDONLY, dir_fd=root)\n"
+        "        return os.read(fd, 10)\n"
+        "    except OSError as e:\n        return type(e).__name__"
+    )
+    out = bare_sandbox.run(
+        [
+            Job(probe, "f", [[p] for p in reads]),
+            Job(walk, "f", [[allowed]]),
+            Job(at_root, "f", [[str(families)]]),
+        ]
+    )
     assert out[0].values == ["'FileNotFoundError'"] * len(reads), out[0]
     assert out[1].values == ["[]"], out[1]
+    assert out[2].values == ["'FileNotFoundError'"], out[2]
     seen = (  # and nothing of a site-packages or a venv among what is allowed
         "import os\ndef f(d):\n    return [os.path.join(r, n) for r, ds, fs in os.walk(d)"
         " for n in ds + fs if 'site-packages' in n or '.venv' in n]"
