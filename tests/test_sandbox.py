@@ -554,13 +554,13 @@ def test_no_program_outlives_a_killed_trainer(isolation):
         "sb.run([Job('import time\\ndef f():\\n    time.sleep(100)', 'f', [[]])])\n"
     )
     before = set(_sandboxed_pids())
-    trainer = subprocess.Popen([sys.executable, "-c", script])
+    trainer = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
     try:
-        for _ in range(200):
-            if set(_sandboxed_pids()) - before:
-                break
+        deadline = time.monotonic() + 300  # start-up: imports, the runtime's ldd, a probe
+        while not set(_sandboxed_pids()) - before:
+            assert trainer.poll() is None, trainer.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the program never started"
             time.sleep(0.05)
-        assert set(_sandboxed_pids()) - before, "the program never started"
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
