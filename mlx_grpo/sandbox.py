@@ -296,7 +296,10 @@ def _bwrap_argv(bwrap: str, lim: Limits, root: bool) -> list[str]:
     otherwise an unprivileged user namespace, in which no further one may be made."""
     exe, binds, hidden = _runtime()
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
-    argv += ["--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    # No --new-session: Popen's start_new_session already leaves no controlling
+    # terminal, and staying in bubblewrap's process group lets one killpg (the job's end,
+    # the tether) reach the program inside the pid namespace too.
+    argv += ["--unshare-cgroup-try", "--die-with-parent"]
     if not root:
         argv += ["--unshare-user", "--disable-userns"]
     parents = sorted({a for p in [*binds, CHILD_INSIDE] for a in _ancestors(p)}, key=len)

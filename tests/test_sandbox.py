@@ -17,6 +17,7 @@ import mlx_grpo.sandbox as sandbox_module
 import rewards.code as code_reward
 from mlx_grpo.recipe import Task
 from mlx_grpo.sandbox import (
+    CHILD,
     SLOT_UID_BASE,
     Job,
     Limits,
@@ -526,16 +527,38 @@ def test_threads_and_forked_memory_count_against_the_job(bare_sandbox):
     assert out[1].reason == ("process" if SECCOMP else "process_limit"), out[1]
 
 
-def _sandboxed_pids() -> list[int]:
+def _sandboxed_pids(under: int | None = None) -> list[int]:
+    """Pids of sandboxed programs (the child interpreter, not bubblewrap), only those
+    descended from `under` when given: other test runs on the machine have theirs."""
     out = []
     for p in Path("/proc").iterdir():
         try:
             cmd = (p / "cmdline").read_bytes() if p.name.isdigit() else b""
-            if b"/sandbox/child.py" in cmd or b"_sandbox_child.py" in cmd:
-                out.append(int(p.name))
+            program = cmd.split(b"\0")[-2:-1]  # the last argument: the child script
+            if program in ([b"/sandbox/child.py"], [str(CHILD).encode()]):
+                if under is None or under in _ancestors(int(p.name)):
+                    out.append(int(p.name))
         except OSError:
             continue
     return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        chain.append(pid)
+    return chain
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -553,22 +576,26 @@ def test_no_program_outlives_a_killed_trainer(isolation):
         f"sb = Sandbox(Limits(wall_s=120, cpu_s=60), workers=1, isolation={isolation!r})\n"
         "sb.run([Job('import time\\ndef f():\\n    time.sleep(100)', 'f', [[]])])\n"
     )
-    before = set(_sandboxed_pids())
     trainer = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 300  # start-up: imports, the runtime's ldd, a probe
-        while not set(_sandboxed_pids()) - before:
+        while not (mine := set(_sandboxed_pids(under=trainer.pid))):
             assert trainer.poll() is None, trainer.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "the program never started"
             time.sleep(0.05)
+        time.sleep(0.5)  # let it settle into its sleep: the kill is not meant to race its start
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
+
+    def alive() -> set[int]:
+        return {pid for pid in mine if Path(f"/proc/{pid}").exists() and not _zombie(pid)}
+
     for _ in range(100):
-        if not set(_sandboxed_pids()) - before:
+        if not alive():
             break
         time.sleep(0.05)
-    assert not set(_sandboxed_pids()) - before
+    assert not alive()
 
 
 def test_weak_isolation_must_be_asked_for(monkeypatch, capsys):
