@@ -473,3 +473,34 @@ def test_a_reward_that_never_returns_costs_only_its_completion(tiny_model_dir, t
     assert first["fail/timeout"] == 1 and first["reward/errors"] == 1
     assert first["reward/slow"] == 7 / 8  # the other 7 completions of the step scored 1
     assert second.get("fail/timeout", 0) == 0 and second["reward/slow"] == 1.0
+
+
+def test_a_full_disk_while_logging_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """ENOSPC while appending step 3's metrics: one line naming the log, the step-2
+    checkpoint intact; with space again, --resume ends in the uninterrupted run."""
+    import errno
+
+    import mlx_grpo.durable as durable
+    from mlx_grpo.cli import main
+
+    steps = ["--train.steps=4", "--output.save_every=2", "--train.sample_every=1"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
+    real = durable.append_record
+
+    def full_disk(path, record):
+        if path.name == "metrics.jsonl" and record.get("step") == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, record)
+
+    monkeypatch.setattr(durable, "append_record", full_disk)
+    monkeypatch.setattr("mlx_grpo.log.append_record", full_disk)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *_args(tiny_model_dir, tmp_path, "disk", *steps)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.jsonl: No space left on device" in err, err
+    run = tmp_path / "disk"
+    assert json.loads((run / "latest").read_text())["step"] == 2
+    monkeypatch.setattr("mlx_grpo.log.append_record", real)
+    assert cmd_train(["--resume", str(run)]) == 0
+    _same_run(run, tmp_path / "full")
