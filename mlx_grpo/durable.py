@@ -68,18 +68,23 @@ def _write_all(fd: int, data: bytes) -> None:
             crash_point()  # inside the write: half of the data is in the file
 
 
+def _write_synced(path: Path, data: bytes, flags: int) -> None:
+    """Open `path` with `flags`, write `data` (a crash point halfway), fsync, close."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Replace `path` with `data`: the old contents or the new, whatever happens."""
     path = Path(path)
     data = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.tmp")
     crash_point()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(tmp, data, os.O_TRUNC)
     os.replace(tmp, path)
     fsync_dir(path.parent)
     crash_point()
@@ -87,14 +92,8 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 def append_record(path: Path, record: dict) -> None:
     """Append `record` as one JSON line (one write call), then fsync."""
-    line = (json.dumps(record) + "\n").encode()
     crash_point()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        _write_all(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(path, (json.dumps(record) + "\n").encode(), os.O_APPEND)
     crash_point()
 
 

@@ -128,12 +128,14 @@ def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInpu
 
     spans: list[tuple[list[int], int, int]] = []  # (groups, first row, end row)
     run: list[int] = []
+    run_cost = 0
     for i in range(b):
-        if run and sum(group_cost[j] for j in run) + group_cost[i] > max_positions:
+        if run and run_cost + group_cost[i] > max_positions:
             spans.append((run, run[0] * g, (run[-1] + 1) * g))
-            run = []
+            run, run_cost = [], 0
         if group_cost[i] <= max_positions:
             run.append(i)
+            run_cost += group_cost[i]
             continue
         start, cost = i * g, plens[i]
         for r in range(i * g, (i + 1) * g):

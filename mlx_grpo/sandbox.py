@@ -177,23 +177,21 @@ def isolation_summary() -> dict[str, bool | str | None]:
     }
 
 
+@functools.cache
 def warn_weak() -> None:
     """One line on stderr, once per process, saying what weak isolation leaves open."""
-    if not _WARNED:
-        _WARNED.append(True)
-        print(
-            "sandbox: weak isolation (opted in): programs run as "
-            + (
-                "a slot uid without network"
-                if _root_linux() and network_namespace_available()
-                else "you, with your network"
-            )
-            + "; only the audit hook keeps them from reading your files (README, Sandbox)",
-            file=sys.stderr,
+    print(
+        "sandbox: weak isolation (opted in): programs run as "
+        + (
+            "a slot uid without network"
+            if _root_linux() and network_namespace_available()
+            else "you, with your network"
         )
+        + "; only the audit hook keeps them from reading your files (README, Sandbox)",
+        file=sys.stderr,
+    )
 
 
-_WARNED: list[bool] = []
 _WEAK_HINT = "or opt in to weak isolation with --recipe.params.isolation=weak (README, Sandbox)"
 
 
@@ -209,19 +207,20 @@ def strong_isolation(root: bool) -> str:
                 "sandbox: strong isolation needs bubblewrap, which is not installed "
                 f"(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap); {_WEAK_HINT}"
             )
-        argv = _bwrap_argv(tool, Limits(), root) + ["-I", "-S", "-c", "import json"]
-    elif sys.platform == "darwin" and os.path.exists(SANDBOX_EXEC):
-        tool = SANDBOX_EXEC
-        with tempfile.TemporaryDirectory(prefix="mlx-grpo-sandbox-") as tmp:
-            argv = [tool, "-p", _macos_profile(tmp), _runtime()[0], "-I", "-S", "-c", "import json"]
-            probe = subprocess.run(argv, capture_output=True, text=True, env={}, cwd=tmp)
-    else:
+    elif not (sys.platform == "darwin" and os.path.exists(SANDBOX_EXEC)):
         raise SandboxUnavailable(
             f"sandbox: no strong isolation on {sys.platform} (bubblewrap on Linux, "
             f"sandbox-exec on macOS); {_WEAK_HINT}"
         )
-    if sys.platform.startswith("linux"):
-        probe = subprocess.run(argv, capture_output=True, text=True, env={}, timeout=60)
+    else:
+        tool = SANDBOX_EXEC
+    with tempfile.TemporaryDirectory(prefix="mlx-grpo-sandbox-") as tmp:
+        if tool == SANDBOX_EXEC:
+            argv = [tool, "-p", _macos_profile(tmp), _runtime()[0]]
+        else:
+            argv = _bwrap_argv(tool, Limits(), root)
+        argv += ["-I", "-S", "-c", "import json"]
+        probe = subprocess.run(argv, capture_output=True, text=True, env={}, cwd=tmp, timeout=60)
     if probe.returncode != 0:
         said = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
         need = (

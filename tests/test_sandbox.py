@@ -608,7 +608,7 @@ def test_weak_isolation_must_be_asked_for(monkeypatch, capsys):
     monkeypatch.setattr(sandbox_module.sys, "platform", "linux")
     sandbox_module.strong_isolation.cache_clear()
     monkeypatch.setattr(code_reward, "_SANDBOX", None)
-    monkeypatch.setattr(sandbox_module, "_WARNED", [])
+    sandbox_module.warn_weak.cache_clear()
     try:
         with pytest.raises(SandboxUnavailable) as e:
             Sandbox(FAST, workers=1)

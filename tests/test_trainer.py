@@ -102,6 +102,15 @@ def _run_cli(args, **kw):
     )
 
 
+def _wait_for_steps(metrics: Path, n: int) -> None:
+    """Until `metrics` holds `n` logged steps (the run is then mid-way), at most 300 s."""
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.01)
+
+
 def test_resume_after_kill_continues_exactly(tiny_model_dir, tmp_path):
     steps = ["--train.steps=10", "--output.save_every=2"]
     full = _run_cli(_args(tiny_model_dir, tmp_path, "full", *steps))
@@ -109,11 +118,7 @@ def test_resume_after_kill_continues_exactly(tiny_model_dir, tmp_path):
 
     victim = _run_cli(_args(tiny_model_dir, tmp_path, "killed", *steps))
     metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.02)
+    _wait_for_steps(metrics, 5)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     logged = len(metrics.read_text().splitlines())
@@ -396,12 +401,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tiny_model_dir, tmp_pat
     steps = ["--train.steps=12", "--output.save_every=5", "--train.sample_every=1"]
     assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
     victim = _run_cli(_args(tiny_model_dir, tmp_path, "stopped", *steps))
-    metrics = tmp_path / "stopped" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.01)
+    _wait_for_steps(tmp_path / "stopped" / "metrics.jsonl", 2)
     victim.send_signal(signal.SIGINT)
     out = victim.stdout.read().decode()
     assert victim.wait(timeout=300) == 130, out
