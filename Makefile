@@ -20,14 +20,15 @@ TRAIN_FLAGS := --recipe $(RECIPE) \
 	$(if $(RUN),--output.run=$(RUN)) \
 	$(ARGS)
 
-# The export parity tests load exports with PyTorch + transformers + peft, which the
-# product never imports: they live in their own venv, rebuilt when this list changes.
+# The parity tests load exports with PyTorch + transformers + peft and run TRL's own
+# GRPO loss on fixed inputs (tests/test_trl_parity.py). The product never imports these:
+# they live in their own venv, rebuilt when this list changes.
 # On Linux the CPU build of torch is pinned by its local version: a plain `torch` from
 # PyPI is the multi-GB CUDA build (elsewhere add PyTorch's CPU wheel index to pip).
 PARITY_VENV  := .venv-parity
 PARITY_PY    := $(PARITY_VENV)/bin/python
 PARITY_TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==2.13.0)
-PARITY_REQS  := $(PARITY_TORCH) transformers>=4.56,<6 peft>=0.17,<1 safetensors numpy
+PARITY_REQS  := $(PARITY_TORCH) transformers>=4.56,<6 peft>=0.17,<1 trl==1.16.0 safetensors numpy
 PARITY_STAMP := $(PARITY_VENV)/.installed-$(shell echo '$(PARITY_REQS)' | cksum | cut -d' ' -f1)
 
 .PHONY: install system-deps train test lint clean-venv parity-env bench bench-curriculum
@@ -48,7 +49,14 @@ LAUNCH := $(if $(HOSTS),$(VENV)/bin/mlx.launch --hostfile $(HOSTS) --,$(if $(NP)
 train: $(STAMP)
 	$(LAUNCH) $(if $(LAUNCH),$(CURDIR)/$(PY),$(PY)) -m mlx_grpo train $(TRAIN_FLAGS)
 
-test: $(STAMP) $(PARITY_STAMP)
+# The tests also cover output.report_to, so they install every tracker extra.
+TRACKERS_STAMP := $(VENV)/.installed-trackers
+
+$(TRACKERS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,plot,trackers]'
+	@touch $@
+
+test: $(STAMP) $(TRACKERS_STAMP) $(PARITY_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Curriculum strategies at an equal rollout-token budget (hours on a 2-core CPU; minutes

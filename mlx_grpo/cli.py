@@ -133,10 +133,13 @@ def cmd_train(argv: list[str]) -> int:
         trainable_count,
     )
     from mlx_grpo.recipe import Recipe
+    from mlx_grpo.trackers import require as require_trackers
     from mlx_grpo.trainer import Interrupted, build_optimizer, train
 
     dist = Dist()
     cfg, run_dir, resume_from = _shared_config(dist, argv)
+    if dist.is_main:
+        require_trackers(cfg.output.report_to)
     mx.random.seed(cfg.train.seed)
     recipe = Recipe.from_config(cfg.recipe)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
@@ -347,13 +350,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     from mlx_grpo.dist import DistError, RankZeroError
     from mlx_grpo.models import ModelLoadError
+    from mlx_grpo.trackers import TrackerError
     from mlx_grpo.trainer import TrainingError
 
     try:
         sys.exit(cmd_train(rest))
     except RankZeroError:  # rank 0 prints it
         sys.exit(2)
-    except (ConfigError, CheckpointError, ModelLoadError, TrainingError, DistError) as e:
+    except (
+        ConfigError,
+        CheckpointError,
+        ModelLoadError,
+        TrainingError,
+        DistError,
+        TrackerError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -127,6 +127,14 @@ class GRPOConfig(_Section):
         "max_new_tokens), length-unbiased; 'dapo': token mean over the whole batch; "
         "'turn': each reply of a multi-turn episode weighs one unit (its token mean), "
         "summed over the episode's turns, mean over episodes ('grpo' when single-turn).",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="'token': one importance ratio per token (GRPO); 'sequence': GSPO, "
+        "one ratio per completion (exp of its mean token log-ratio), clipped as a whole. "
+        "The ratio differs from 1 only when num_iterations > 1; GSPO's paper clips it "
+        "far tighter than tokens are, e.g. --grpo.epsilon=3e-4 --grpo.epsilon_high=4e-4, "
+        "and uses loss_type='grpo' (the other types weigh each sequence by its length).",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -311,6 +319,24 @@ class OutputConfig(_Section):
     live: Literal["auto", "yes", "no"] = Field(
         "auto", description="Rich live display; 'auto' only on a terminal."
     )
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=list,
+        description="Also log to these trackers (TRL's option): tensorboard, wandb, "
+        "trackio, 'all' or none; e.g. --output.report_to=tensorboard,wandb. Each is an "
+        "extra: pip install 'mlx-grpo[trackers]'. W&B runs offline without an API key "
+        "or network; trackers.json in the run folder says where the logs went.",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _tracker_list(cls, v):
+        if v is None or v == "none":
+            return []
+        if v == "all":
+            return ["tensorboard", "wandb", "trackio"]
+        if isinstance(v, str):
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
 
 
 def config_help() -> str:

@@ -37,6 +37,10 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
 - `beta=0.04` (default): the k3 KL to the adapter-free model; 0 skips the reference
   pass.
 - `epsilon_high` (DAPO clip-higher) widens the upper clip only.
+- `importance_sampling_level="sequence"` (GSPO, TRL's option) replaces rho_it by one
+  ratio per completion, s_i = exp(mean_t log(pi_theta / pi_old)) over its loss tokens,
+  clipped as a whole; with num_iterations=1, s_i = 1 and the gradient is the token
+  policy gradient weighted by 1 / |o_i|. GSPO's paper clips s_i at 3e-4 / 4e-4.
 - `mask_truncated_completions` drops completions that hit the length limit.
 - Log-probs are always those of the untempered model (temperature only shapes
   sampling), as in TRL.
@@ -178,13 +182,29 @@ def per_token_loss(
     epsilon: float,
     epsilon_high: float,
     beta: float,
+    mask: mx.array | None = None,
+    level: str = "token",
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Clipped surrogate + beta * k3 KL per token: (loss, kl, clipped, ratio), [N, C]."""
-    ratio = mx.exp(logp - old_logp)
+    """Clipped surrogate + beta * k3 KL per token: (loss, kl, clipped, ratio).
+
+    `loss` and `kl` are [N, C]. With `level="token"` the importance ratio is per token
+    and `clipped` and `ratio` are [N, C]; with `level="sequence"` (GSPO) one ratio per
+    completion, exp of the mean of its token log-ratios over `mask`, is clipped as a
+    whole and applies to all of its tokens; `clipped` and `ratio` are then [N, 1].
+    """
+    log_ratio = logp - old_logp
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("importance_sampling_level='sequence' needs the loss mask")
+        count = mx.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+        log_ratio = (log_ratio * mask).sum(axis=1, keepdims=True) / count
+    elif level != "token":
+        raise ValueError(f"importance_sampling_level must be token|sequence, got {level!r}")
+    ratio = mx.exp(log_ratio)
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = mx.clip(ratio, 1 - epsilon, 1 + epsilon_high) * adv
-    loss = -mx.minimum(unclipped, clipped)
+    loss = mx.broadcast_to(-mx.minimum(unclipped, clipped), logp.shape)
     is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
     if ref_logp is not None and beta > 0:
         d = ref_logp - logp
@@ -253,25 +273,32 @@ LOSS_METRICS = ("loss/policy", "kl", "clip/frac", "ratio/mean", "entropy")
 def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[str, mx.array]]:
     """The GRPO objective for `nn.value_and_grad`: returns (loss, metrics).
 
-    `cfg` is a `GRPOConfig` (only epsilon, epsilon_high, beta, loss_type and
-    logits_chunk are read).
+    `cfg` is a `GRPOConfig` (only epsilon, epsilon_high, beta, loss_type,
+    importance_sampling_level and logits_chunk are read).
     """
     logp, entropy = completion_logprobs(
         model, batch.prompts, batch.completions, cfg.logits_chunk, mask=batch.mask
     )
     old = mx.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-    tok_loss, kl, clipped, ratio = per_token_loss(
-        logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, cfg.beta
-    )
     mask, tokens = batch.mask, batch.total_tokens
+    level = cfg.importance_sampling_level
+    tok_loss, kl, clipped, ratio = per_token_loss(
+        logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, cfg.beta, mask, level
+    )
     counts = (cfg.loss_type, batch.max_new_tokens, batch.total_rows, tokens)
     loss = aggregate(tok_loss, mask, *counts)
+    if level == "sequence":  # one ratio per completion: means over completions, as TRL's
+        rows = mask.shape[0] if batch.total_rows is None else batch.total_rows
+        clip_frac, ratio_mean = clipped.astype(mx.float32).sum() / rows, ratio.sum() / rows
+    else:
+        clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)
+        ratio_mean = masked_mean(ratio, mask, tokens)
     metrics = {
         "loss/policy": aggregate(tok_loss - cfg.beta * kl, mask, *counts),
         "kl": masked_mean(kl, mask, tokens),
-        "clip/frac": masked_mean(clipped.astype(mx.float32), mask, tokens),
-        "ratio/mean": masked_mean(ratio, mask, tokens),
+        "clip/frac": clip_frac,
+        "ratio/mean": ratio_mean,
         "entropy": masked_mean(entropy, mask, tokens),
     }
     return loss, {k: mx.stop_gradient(v) for k, v in metrics.items()}

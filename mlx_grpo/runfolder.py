@@ -10,6 +10,8 @@ without loading a model).
                                   state.json (step, counters, curriculum)
       .tmp-step-000020/           a step folder being written (renamed when complete)
       metrics.jsonl, samples.jsonl, eval.jsonl
+      trackers.json               output.report_to: the tracker run id and where its logs are
+      tensorboard/, wandb/        those trackers' own files (trackio keeps a store of its own)
       compare.json                the last `python -m mlx_grpo.compare` with this run as B
       export-<format>/            `python -m mlx_grpo export` output
 

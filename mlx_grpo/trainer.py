@@ -36,6 +36,7 @@ from mlx_grpo.procmem import descendants_bytes
 from mlx_grpo.recipe import Recipe, Scored, Task
 from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
 from mlx_grpo.runfolder import RunFolder
+from mlx_grpo.trackers import Trackers
 
 
 class TrainingError(RuntimeError):
@@ -229,110 +230,131 @@ def train(
     run = RunFolder(run_dir)
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
     start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum, say)
-    if main and evaluate_fn and cfg.train.eval_every and start == 0:
-        # The base model's held-out figures: where the curves in eval.jsonl start.
-        base = evaluate_fn(0, {"rollout_tokens": 0})
-        shown = {
-            k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
-        }
-        info(f"held-out before training: {shown}")
+    trackers = Trackers(run_dir, cfg.output.report_to if main else [], cfg.model_dump())
+    try:
+        if trackers.names:
+            info(f"report_to: {trackers.where()}")
+        if main and evaluate_fn and cfg.train.eval_every and start == 0:
+            # The base model's held-out figures: where the curves in eval.jsonl start.
+            base = evaluate_fn(0, {"rollout_tokens": 0})
+            trackers.log(0, base)
+            shown = {
+                k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
+            }
+            info(f"held-out before training: {shown}")
+        rollout_fn = rollout_fn or rollout_tasks
+        loss = loss or grpo_loss
+        loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
+        history: list[dict] = []
 
-    rollout_fn = rollout_fn or rollout_tasks
-    loss = loss or grpo_loss
-    loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
-    history: list[dict] = []
+        with _CtrlC(say, dist.size == 1) as ctrl_c:
+            for step in range(start + 1, cfg.train.steps + 1):
+                mx.reset_peak_memory()
+                # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
+                # run samples exactly what the uninterrupted run would have sampled. Each
+                # completion has its own key, so it does not depend on how many ranks share
+                # the step.
+                step_seed = cfg.train.seed * 1_000_003 + step
+                mx.random.seed(step_seed)
+                n_tasks = math.ceil(b * curriculum.oversample)
+                tasks = curriculum.sample(n_tasks)  # the same on every rank
+                mine = dist.share(n_tasks)
+                my_tasks = tasks[mine.start : mine.stop]
+                keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
+                samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
 
-    with _CtrlC(say, dist.size == 1) as ctrl_c:
-        for step in range(start + 1, cfg.train.steps + 1):
-            mx.reset_peak_memory()
-            # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
-            # run samples exactly what the uninterrupted run would have sampled. Each
-            # completion has its own key, so it does not depend on how many ranks share
-            # the step.
-            step_seed = cfg.train.seed * 1_000_003 + step
-            mx.random.seed(step_seed)
-            n_tasks = math.ceil(b * curriculum.oversample)
-            tasks = curriculum.sample(n_tasks)  # the same on every rank
-            mine = dist.share(n_tasks)
-            my_tasks = tasks[mine.start : mine.stop]
-            keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
-            samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
-
-            # Roll out and score this rank's groups; every rank then sees every record.
-            model.eval()
-            rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
-            scored = recipe.score_rollout(my_tasks, rollout)
-            sample_step = bool(
-                cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
-            )
-            tic = time.perf_counter()
-            shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
-            gather_s = time.perf_counter() - tic
-            records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
-            rewards = np.array([r.reward for r in records], dtype=np.float32)
-            if errors := [r.error for r in records if r.error]:
-                say(
-                    f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}"
+                # Roll out and score this rank's groups; every rank then sees every record.
+                model.eval()
+                rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
+                scored = recipe.score_rollout(my_tasks, rollout)
+                sample_step = bool(
+                    cfg.train.sample_every
+                    and (step % cfg.train.sample_every == 0 or step == start + 1)
                 )
-            counters.reward_errors += len(errors)
-            counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
-
-            # Advantages; the curriculum hears the rewards; the groups with signal train.
-            r_mx = mx.array(rewards)
-            advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
-            zero_var = np.array(zero_variance_groups(r_mx, g))
-            curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-            train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
-            tic = time.perf_counter()
-            it_metrics, delta, sync_s = [], 0.0, 0.0
-            if train_groups:  # the same on every rank: all of them join the update
-                local = [i - mine.start for i in train_groups if i in mine]
-                batch = None
-                if local:
-                    batch = build_loss_inputs(
-                        rollout,
-                        advantages[mine.start * g : mine.stop * g],
-                        cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
-                        cfg.grpo.mask_truncated_completions,
-                        local,
+                tic = time.perf_counter()
+                shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
+                gather_s = time.perf_counter() - tic
+                records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
+                rewards = np.array([r.reward for r in records], dtype=np.float32)
+                if errors := [r.error for r in records if r.error]:
+                    say(
+                        f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}"
                     )
-                it_metrics, delta, sync_s = update_step(
-                    model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
-                    len(train_groups) * g,
-                )  # fmt: skip
-            update_s = time.perf_counter() - tic
+                counters.reward_errors += len(errors)
+                counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
 
-            budget = cfg.train.token_budget
-            last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
-            metrics = _step_metrics(
-                step, shares, records, rewards, advantages, zero_var, it_metrics,
-                lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
-                counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
-                ranks=dist.size, sync_s=gather_s + sync_s,
-            )  # fmt: skip
-            if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-                metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
-            _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
-            if main:
-                metrics_log.write(metrics)
-                if sample_step:
-                    _write_samples(samples_log, step, tasks, records, g)
-            history.append(metrics)
-            stopping = ctrl_c.requested
-            if step % cfg.output.save_every == 0 or last or stopping:
-                state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
-                # On rank 0 only; a failure there stops every rank.
-                args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
-                dist.run_on_main(lambda a=args: str(save_checkpoint(*a)))
-            if callback is not None:
-                callback(step, metrics)
-            if stopping and not last:
-                raise Interrupted(step)
-            if last:
-                if step < cfg.train.steps:
-                    say(f"step {step}: rollout token budget {budget} reached, stopping")
-                break
-    return history
+                # Advantages; the curriculum hears the rewards; the groups with signal train.
+                r_mx = mx.array(rewards)
+                advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
+                zero_var = np.array(zero_variance_groups(r_mx, g))
+                curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
+                train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
+                tic = time.perf_counter()
+                it_metrics, delta, sync_s = [], 0.0, 0.0
+                if train_groups:  # the same on every rank: all of them join the update
+                    local = [i - mine.start for i in train_groups if i in mine]
+                    batch = None
+                    if local:
+                        batch = build_loss_inputs(
+                            rollout,
+                            advantages[mine.start * g : mine.stop * g],
+                            cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                            cfg.grpo.mask_truncated_completions,
+                            local,
+                        )
+                    it_metrics, delta, sync_s = update_step(
+                        model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
+                        len(train_groups) * g,
+                    )  # fmt: skip
+                update_s = time.perf_counter() - tic
+
+                budget = cfg.train.token_budget
+                last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
+                metrics = _step_metrics(
+                    step, shares, records, rewards, advantages, zero_var, it_metrics,
+                    lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
+                    counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
+                    ranks=dist.size, sync_s=gather_s + sync_s,
+                )  # fmt: skip
+                if (
+                    evaluate_fn
+                    and cfg.train.eval_every
+                    and (step % cfg.train.eval_every == 0 or last)
+                ):
+                    metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
+                _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
+                if main:
+                    metrics_log.write(metrics)
+                    samples = _sample_records(step, tasks, records, g) if sample_step else []
+                    for record in samples:
+                        samples_log.write(record)
+                    trackers.log(step, metrics, samples)
+                history.append(metrics)
+                stopping = ctrl_c.requested
+                if step % cfg.output.save_every == 0 or last or stopping:
+                    state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
+                    # On rank 0 only; a failure there stops every rank.
+                    args = (
+                        run_dir,
+                        step,
+                        model,
+                        optimizer,
+                        adapter_cfg,
+                        state,
+                        cfg.output.keep_last,
+                    )
+                    dist.run_on_main(lambda a=args: str(save_checkpoint(*a)))
+                if callback is not None:
+                    callback(step, metrics)
+                if stopping and not last:
+                    raise Interrupted(step)
+                if last:
+                    if step < cfg.train.steps:
+                        say(f"step {step}: rollout token budget {budget} reached, stopping")
+                    break
+        return history
+    finally:
+        trackers.close()
 
 
 def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum, say):
@@ -642,19 +664,20 @@ def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg
         say(f"step {step}: the adapters did not move (learning rate {metrics['lr']:.3g})")
 
 
-def _write_samples(
-    log: JsonlWriter, step: int, tasks: list[Task], records: list[CompletionRecord], group_size: int
-) -> None:
-    for i, r in enumerate(records):
-        log.write(
-            {
-                "step": step,
-                "task": tasks[i // group_size].id,
-                "completion": r.text,
-                "finish_reason": r.finish_reason,
-                "reward": r.reward,
-                "components": r.components,
-                **({"error": r.error} if r.error else {}),
-                **({"failure": r.failure} if r.failure else {}),
-            }
-        )
+def _sample_records(
+    step: int, tasks: list[Task], records: list[CompletionRecord], group_size: int
+) -> list[dict]:
+    """The step's samples.jsonl records: every completion with its reward components."""
+    return [
+        {
+            "step": step,
+            "task": tasks[i // group_size].id,
+            "completion": r.text,
+            "finish_reason": r.finish_reason,
+            "reward": r.reward,
+            "components": r.components,
+            **({"error": r.error} if r.error else {}),
+            **({"failure": r.failure} if r.failure else {}),
+        }
+        for i, r in enumerate(records)
+    ]

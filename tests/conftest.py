@@ -25,6 +25,22 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+PARITY_PY = Path(__file__).resolve().parents[1] / ".venv-parity" / "bin" / "python"
+
+
+def parity_python() -> Path:
+    """The torch + transformers + peft + trl interpreter of the parity tests."""
+    if PARITY_PY.exists():
+        return PARITY_PY
+    if os.environ.get("MLX_GRPO_SKIP_PARITY") == "1":
+        pytest.skip("MLX_GRPO_SKIP_PARITY=1: parity with transformers/peft/trl skipped")
+    pytest.fail(
+        f"{PARITY_PY} not found: the parity tests need the torch + transformers + peft + "
+        "trl environment; run `make parity-env` (`make test` does it), or set "
+        "MLX_GRPO_SKIP_PARITY=1 to skip them"
+    )
+
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"

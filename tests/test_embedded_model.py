@@ -106,11 +106,21 @@ def test_default_model_answers_a_factual_question(default_dir):
     assert "Paris" in generate(model, tok, prompt, max_tokens=20)
 
 
-def test_grpo_learns_the_answer_format_on_the_embedded_model(default_dir, tmp_path):
+GSPO = [  # GSPO's paper's setup: sequence ratios, tight clip, rollouts reused
+    "--grpo.importance_sampling_level=sequence",
+    "--grpo.loss_type=grpo",
+    "--grpo.num_iterations=2",
+    "--grpo.epsilon=3e-4",
+    "--grpo.epsilon_high=4e-4",
+]
+
+
+@pytest.mark.parametrize("objective", [[], GSPO], ids=["grpo", "gspo"])
+def test_grpo_learns_the_answer_format_on_the_embedded_model(default_dir, tmp_path, objective):
     """A real run: the reward over the last steps beats the first steps."""
     from mlx_grpo.cli import cmd_train
 
-    args = [
+    args = objective + [
         "--recipe",
         "arithmetic",
         f"--output.dir={tmp_path}",
@@ -127,3 +137,5 @@ def test_grpo_learns_the_answer_format_on_the_embedded_model(default_dir, tmp_pa
     last = np.mean([r["reward/format"] for r in rows[-3:]])
     assert last >= first + 0.2 and last >= 0.9, (first, last)
     assert np.mean([r["reward/mean"] for r in rows[-3:]]) > rows[0]["reward/mean"]
+    if objective:  # the second pass over each rollout moved some sequence ratios past 4e-4
+        assert max(r["clip/frac"] for r in rows) > 0

@@ -24,6 +24,7 @@ import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import parity_python
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.tuner.lora import LoRALinear
@@ -42,7 +43,6 @@ from mlx_grpo.model_card import model_card
 from mlx_grpo.models import adapter_config, adapters_disabled, apply_lora, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARITY_PY = ROOT / ".venv-parity" / "bin" / "python"
 TOL = 1e-3
 COMPARE = {
     "model_a": "base",
@@ -95,18 +95,6 @@ for job in json.load(open(sys.argv[1])):
     report[job["name"]] = info
 print("REPORT " + json.dumps(report))
 """
-
-
-def parity_python() -> Path:
-    if PARITY_PY.exists():
-        return PARITY_PY
-    if os.environ.get("MLX_GRPO_SKIP_PARITY") == "1":
-        pytest.skip("MLX_GRPO_SKIP_PARITY=1: export parity with transformers/peft skipped")
-    pytest.fail(
-        f"{PARITY_PY} not found: the export parity tests need the torch + transformers + "
-        "peft environment; run `make parity-env` (`make test` does it), or set "
-        "MLX_GRPO_SKIP_PARITY=1 to skip them"
-    )
 
 
 def run_consumers(jobs: list[dict], tmp: Path) -> tuple[dict, dict]:

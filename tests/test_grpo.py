@@ -64,25 +64,14 @@ def test_advantages_reject_ragged_groups():
 # ---------------------------------------------------------------- the loss on log-probs
 
 
-def np_loss_and_grad(logp, old, ref, adv, mask, eps_lo, eps_hi, beta, loss_type, max_new):
-    """Value and d loss / d logp, written out by hand (no autodiff)."""
-    ratio = np.exp(logp - old)
-    a = adv[:, None]
-    unclipped = ratio * a
-    clipped = np.clip(ratio, 1 - eps_lo, 1 + eps_hi) * a
-    tok = -np.minimum(unclipped, clipped)
-    # The min picks the unclipped term (gradient -A * ratio) unless the clipped term is
-    # smaller, which happens only outside the clip range (gradient 0 there).
-    d_tok = np.where(unclipped <= clipped, -a * ratio, 0.0)
-    d = ref - logp
-    tok = tok + beta * (np.exp(d) - d - 1)
-    d_tok = d_tok + beta * (1 - np.exp(d))
-    n = logp.shape[0]
+def np_loss_weights(mask, loss_type, max_new):
+    """w with loss = sum(w * per-token loss), per the aggregation rules."""
+    n = mask.shape[0]
     if loss_type == "grpo":
-        w = mask / mask.sum(1, keepdims=True) / n
-    elif loss_type == "dr_grpo":
-        w = mask / (n * max_new)
-    elif loss_type == "turn":  # each run of loss tokens (a reply) weighs 1, split evenly
+        return mask / mask.sum(1, keepdims=True) / n
+    if loss_type == "dr_grpo":
+        return mask / (n * max_new)
+    if loss_type == "turn":  # each run of loss tokens (a reply) weighs 1, split evenly
         w = np.zeros_like(mask)
         for i in range(n):
             j = 0
@@ -92,34 +81,68 @@ def np_loss_and_grad(logp, old, ref, adv, mask, eps_lo, eps_hi, beta, loss_type,
                     k += 1
                 w[i, j:k] = 1.0 / max(k - j, 1) / n
                 j = k + 1
+        return w
+    return mask / mask.sum()
+
+
+def np_loss_and_grad(
+    logp, old, ref, adv, mask, eps_lo, eps_hi, beta, loss_type, max_new, level="token"
+):
+    """Value and d loss / d logp, written out by hand (no autodiff)."""
+    w = np_loss_weights(mask, loss_type, max_new)
+    a = adv[:, None]
+    if level == "sequence":  # GSPO: one ratio per row, s_i = exp(mean over mask of log-ratios)
+        length = mask.sum(1, keepdims=True)
+        ratio = np.exp(((logp - old) * mask).sum(1, keepdims=True) / length)
     else:
-        w = mask / mask.sum()
-    return (tok * w).sum(), d_tok * w
+        ratio = np.exp(logp - old)
+    unclipped = ratio * a
+    clipped = np.clip(ratio, 1 - eps_lo, 1 + eps_hi) * a
+    surrogate = np.broadcast_to(-np.minimum(unclipped, clipped), logp.shape)
+    # The min picks the unclipped term (gradient -A * d ratio) unless the clipped term is
+    # smaller, which happens only outside the clip range (gradient 0 there).
+    d_surrogate = np.where(unclipped <= clipped, -a * ratio, 0.0)  # d term / d log ratio
+    if level == "sequence":
+        # Every token of row i carries the same term (total weight W_i = sum_t w_it), and
+        # d log s_i / d logp_it = mask_it / |o_i|.
+        grad = d_surrogate * w.sum(1, keepdims=True) * mask / length
+    else:
+        grad = d_surrogate * w
+    d = ref - logp
+    value = ((surrogate + beta * (np.exp(d) - d - 1)) * w).sum()
+    return value, grad + beta * (1 - np.exp(d)) * w
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_loss_and_gradient_match_numpy(loss_type, beta):
+def test_loss_and_gradient_match_numpy(loss_type, beta, level):
     rng = np.random.default_rng(1)
-    n, c = 6, 7
+    n, c = 12, 7
     logp = -rng.random((n, c)).astype(np.float32) * 3
-    old = logp + rng.normal(0, 0.3, (n, c)).astype(np.float32)  # ratios well outside 1 +- 0.2
+    # Ratios well outside 1 +- 0.2, per token and (through the row offsets) per sequence.
+    drift = rng.normal(0, 0.3, (n, c)) + rng.normal(0, 0.3, (n, 1))
+    old = logp + drift.astype(np.float32)
     ref = logp + rng.normal(0, 0.2, (n, c)).astype(np.float32)
     adv = rng.normal(0, 1, n).astype(np.float32)
     mask = (rng.random((n, c)) > 0.3).astype(np.float32)
     mask[:, 0] = 1
 
     def f(lp):
-        tok, *_ = per_token_loss(lp, mx.array(old), mx.array(ref), mx.array(adv), 0.2, 0.28, beta)
+        tok, *_ = per_token_loss(
+            lp, mx.array(old), mx.array(ref), mx.array(adv), 0.2, 0.28, beta, mx.array(mask), level
+        )
         return aggregate(tok, mx.array(mask), loss_type, 10)
 
     value, grad = mx.value_and_grad(f)(mx.array(logp))
     ref_value, ref_grad = np_loss_and_grad(
-        logp, old, ref, adv, mask, 0.2, 0.28, beta, loss_type, 10
+        logp, old, ref, adv, mask, 0.2, 0.28, beta, loss_type, 10, level
     )
-    assert abs(value.item() - ref_value) < 1e-5 * max(1, abs(ref_value))
-    np.testing.assert_allclose(np.array(grad), ref_grad, rtol=1e-4, atol=1e-7)
-    # The test can fail: some tokens are clipped (zero gradient) and some are not.
+    # Each value is a sum of at most n * c float32 terms.
+    assert_f32_close(value.item(), ref_value, n * c, "loss")
+    assert_f32_close(np.array(grad) * mask, ref_grad * mask, n * c, "gradient")
+    # The test can fail: some tokens (rows, at sequence level) are clipped (zero
+    # gradient) and some are not.
     assert (np.array(grad)[mask > 0] == 0).any() == (beta == 0)
 
 
@@ -141,6 +164,18 @@ def test_clip_fraction_counts_clipped_tokens():
     _, _, clipped_neg, _ = per_token_loss(logp, old, None, mx.array([-1.0]), 0.2, 0.2, 0.0)
     assert np.array(clipped_pos).tolist() == [[True, False, False]]
     assert np.array(clipped_neg).tolist() == [[False, False, True]]
+
+
+def test_sequence_ratio_is_the_exp_of_the_mean_token_log_ratio_over_the_mask():
+    logp = mx.array([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    old = mx.array([[-0.3, 0.0, 0.6, 9.0], [-0.1, -0.1, 5.0, 5.0]])
+    mask = mx.array([[1.0, 1, 1, 0], [1, 1, 0, 0]])  # the 9.0 and 5.0 are padding
+    adv = mx.array([1.0, 1.0])
+    _, _, clipped, ratio = per_token_loss(logp, old, None, adv, 0.2, 0.2, 0.0, mask, "sequence")
+    np.testing.assert_allclose(np.array(ratio)[:, 0], np.exp([-0.1, 0.1]), rtol=1e-6)
+    assert np.array(clipped).tolist() == [[False], [False]]
+    _, _, clipped, _ = per_token_loss(logp, old, None, adv, 0.05, 0.05, 0.0, mask, "sequence")
+    assert np.array(clipped).tolist() == [[False], [True]]  # 1.105 > 1.05 with A > 0
 
 
 # ---------------------------------------------------------------- log-probs from the model
