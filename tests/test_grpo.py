@@ -313,8 +313,9 @@ def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
     assert abs(loss_of(changed) - base) > 1e-4
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
-def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type):
+def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type, level):
     """Data-parallel runs: two shares of a batch (uneven token counts), each divided
     by the whole batch's counts, add up to the whole batch's loss, metrics and
     gradient; divided by their own counts they do not."""
@@ -329,7 +330,9 @@ def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type):
     )
     adv = mx.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     old = mx.array(np.random.default_rng(1).normal(-5, 1, (6, 5)).astype(np.float32))
-    cfg = GRPOConfig(beta=0.04, loss_type=loss_type, epsilon_high=0.28)
+    cfg = GRPOConfig(
+        beta=0.04, loss_type=loss_type, epsilon_high=0.28, importance_sampling_level=level
+    )
     grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
 
     def run(rows, groups, **totals):
@@ -356,8 +359,9 @@ def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type):
     assert abs((a_own["loss"] + b_own["loss"]).item() - whole["loss"].item()) > 1e-3
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
-def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss_type):
+def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss_type, level):
     """The update split into micro-batches (whole groups together, a long group cut
     into runs of rows) sums to the one-piece update: loss, metrics and gradient."""
     from mlx_grpo.dist import Dist
@@ -379,7 +383,9 @@ def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss
     old = mx.array(rng.normal(-5, 1, (3 * g, c)).astype(np.float32))
     ref = mx.array(rng.normal(-5, 1, (3 * g, c)).astype(np.float32))
     batch = LossInputs(prompts, comp, mx.array(mask), adv, old, ref, c)
-    cfg = GRPOConfig(beta=0.04, loss_type=loss_type, epsilon_high=0.28)
+    cfg = GRPOConfig(
+        beta=0.04, loss_type=loss_type, epsilon_high=0.28, importance_sampling_level=level
+    )
     grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
 
     # Group costs (prompt + row lengths): 21, 27, 39. At 30 positions groups 0 and 1
