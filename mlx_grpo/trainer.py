@@ -136,6 +136,9 @@ class Counters:
     reward_errors: int = 0
     rollout_tokens: int = 0
     warned: list[str] = field(default_factory=list)
+    # What the guards compare each step with: the values of the steps that updated.
+    history: dict[str, list[float]] = field(default_factory=dict)
+    guard_streak: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -323,6 +326,8 @@ def train(
                 ):
                     metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
                 _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
+                if not zero_var.all():
+                    _guards(step, metrics, counters, cfg, say)
                 if main:
                     metrics_log.write(metrics)
                     samples = _sample_records(step, tasks, records, g) if sample_step else []
@@ -639,6 +644,61 @@ def _step_metrics(
         out["time/sync_s"] = sync_s
     out["rollout/tokens_total"] = counters.rollout_tokens
     return out
+
+
+# Guards: entropy and KL above GUARD_FACTOR x their running median (over the earlier
+# steps that updated, once GUARD_WARMUP of them are in) for GUARD_STEPS steps in a row.
+GUARDED = ("entropy", "kl")
+GUARD_CONTEXT = ("completion/len_mean", "curriculum/max_level")
+GUARD_WARMUP, GUARD_FACTOR, GUARD_STEPS = 10, 2.0, 3
+
+
+def _guards(step: int, metrics: dict, counters: Counters, cfg: RunConfig, say) -> None:
+    """Log `guard/<metric>_x_median` (the step's value over its running median) and warn,
+    with the likely cause, when entropy or KL stays above GUARD_FACTOR x it."""
+    hist = counters.history
+    ratios = {}
+    for key in GUARDED + GUARD_CONTEXT:
+        past = hist.get(key, [])
+        if key in metrics and len(past) >= GUARD_WARMUP and np.median(past) > 0:
+            ratios[key] = metrics[key] / float(np.median(past))
+    for key in GUARDED:
+        if key not in ratios:
+            continue
+        metrics[f"guard/{key}_x_median"] = ratios[key]
+        streak = counters.guard_streak.get(key, 0) + 1 if ratios[key] > GUARD_FACTOR else 0
+        counters.guard_streak[key] = streak
+        if streak == GUARD_STEPS:
+            say(
+                f"step {step}: {key} {metrics[key]:.3g} has been above {GUARD_FACTOR:g}x its "
+                f"running median for {streak} steps ({ratios[key]:.1f}x now): "
+                + _guard_cause(key, ratios, hist, cfg)
+            )
+    for key in GUARDED + GUARD_CONTEXT:
+        if key in metrics:
+            hist.setdefault(key, []).append(float(metrics[key]))
+
+
+def _guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
+    levels = hist.get("curriculum/max_level", [])
+    if len(levels) > 5 and levels[-1] > levels[-6]:
+        return (
+            f"the curriculum opened level {levels[-1]:g} in the last 5 steps and its groups "
+            "give little signal; a lower learning rate or a later unlock "
+            "(--curriculum.unlock_at) keeps the policy from drifting there"
+        )
+    if ratios.get("completion/len_mean", 1.0) > 1.5:
+        return (
+            f"completions are {ratios['completion/len_mean']:.1f}x their usual length: long "
+            f"failed replies weigh most in a token-mean loss (grpo.loss_type="
+            f"{cfg.grpo.loss_type}); --grpo.loss_type=turn (multi-turn) or dr_grpo, or a "
+            "lower learning rate"
+        )
+    if key == "kl":
+        return (
+            "the policy is moving away fast: lower --optimizer.learning_rate or raise --grpo.beta"
+        )
+    return "the updates are too large for this signal: lower --optimizer.learning_rate"
 
 
 def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg, say) -> None:
