@@ -319,6 +319,13 @@ class OutputConfig(_Section):
     live: Literal["auto", "yes", "no"] = Field(
         "auto", description="Rich live display; 'auto' only on a terminal."
     )
+    on_full_disk: Literal["stop", "continue"] = Field(
+        "stop",
+        description="A checkpoint that cannot be written for lack of space: 'stop' ends "
+        "the run in one line (the previous checkpoint stays; resume when there is room); "
+        "'continue' warns and trains on, trying again at the next save (the last step's "
+        "checkpoint must be written).",
+    )
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         default_factory=list,
         description="Also log to these trackers (TRL's option): tensorboard, wandb, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import signal
 import threading
@@ -16,7 +17,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from mlx_grpo.checkpoint import TrainState, load_checkpoint, publish_adapters, save_checkpoint
+from mlx_grpo.checkpoint import (
+    CheckpointError,
+    TrainState,
+    load_checkpoint,
+    publish_adapters,
+    save_checkpoint,
+)
 from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.dist import Dist
@@ -348,7 +355,8 @@ def train(
                         state,
                         cfg.output.keep_last,
                     )
-                    dist.run_on_main(lambda a=args: str(save_checkpoint(*a)))
+                    go_on = cfg.output.on_full_disk == "continue" and not (last or stopping)
+                    dist.run_on_main(lambda a=args, g=go_on: _save(a, g, say))
                 if callback is not None:
                     callback(step, metrics)
                 if stopping and not last:
@@ -360,6 +368,18 @@ def train(
         return history
     finally:
         trackers.close()
+
+
+def _save(args: tuple, go_on: bool, say) -> str:
+    """save_checkpoint(*args); with `go_on`, a full disk costs only this checkpoint."""
+    try:
+        return str(save_checkpoint(*args))
+    except CheckpointError as e:
+        full = isinstance(e.__cause__, OSError) and e.__cause__.errno in FULL_DISK
+        if not (go_on and full):
+            raise
+        say(f"{e}; going on without this checkpoint (output.on_full_disk=continue)")
+        return ""
 
 
 def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum, say):
@@ -645,6 +665,8 @@ def _step_metrics(
     out["rollout/tokens_total"] = counters.rollout_tokens
     return out
 
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 # Guards: entropy and KL above GUARD_FACTOR x their running median (over the earlier
 # steps that updated, once GUARD_WARMUP of them are in) for GUARD_STEPS steps in a row.

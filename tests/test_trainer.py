@@ -449,6 +449,37 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(
     _same_run(run, tmp_path / "full")
 
 
+def test_on_full_disk_continue_trains_on_without_that_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """output.on_full_disk=continue: ENOSPC at step 4's checkpoint is a warning, the run
+    trains on and saves step 6, and ends as the uninterrupted run does."""
+    import errno
+
+    import mlx_grpo.checkpoint as ckpt
+
+    steps = ["--train.steps=6", "--output.save_every=2", "--train.sample_every=1"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
+    real = ckpt._save_safetensors
+
+    def full_disk(path, arrays):
+        if path.parent.name.endswith("step-000004"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, arrays)
+
+    monkeypatch.setattr(ckpt, "_save_safetensors", full_disk)
+    said = []
+    monkeypatch.setattr("mlx_grpo.log.Display.warn", lambda self, text: said.append(text))
+    args = _args(tiny_model_dir, tmp_path, "disk", *steps, "--output.on_full_disk=continue")
+    assert cmd_train(args) == 0
+    assert len(said) == 1 and "No space left on device" in said[0], said
+    assert "going on without this checkpoint" in said[0]
+    run = tmp_path / "disk"
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-000002", "step-000006"]
+    assert not list(run.glob(".tmp-step-*"))
+    _same_run(run, tmp_path / "full")
+
+
 def test_a_reward_that_never_returns_costs_only_its_completion(tiny_model_dir, tmp_path):
     """A reward call that sleeps forever: after recipe.reward_timeout_s that completion
     scores 0 as fail/timeout, the other completions of the step score, the run ends."""
