@@ -332,6 +332,62 @@ def test_a_kill_at_any_write_point_resumes_to_the_uninterrupted_run(tiny_model_d
     assert point > 20  # the points were really hit: 2 steps write more than 20 times
 
 
+@pytest.mark.slow
+def test_a_kill_at_any_write_point_of_a_resume_resumes_again_to_the_same_run(
+    tiny_model_dir, tmp_path
+):
+    """A run killed after step 2 was logged (its last samples record torn) but before
+    step 2's checkpoint: its resume must cut the logs, republish the adapters and redo
+    step 2. Every write of that resume in turn is the instant of a second kill -9; a
+    third start then still ends in the uninterrupted run."""
+    import shutil
+
+    steps = ["--train.steps=2", "--output.save_every=1", "--train.sample_every=1"]
+    full = _run_cli(_args(tiny_model_dir, tmp_path, "full", *steps))
+    assert full.wait(timeout=300) == 0, full.stdout.read().decode()
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full", killed)
+    shutil.rmtree(killed / "step-000002")
+    (killed / "latest").write_text(json.dumps({"step_dir": "step-000001", "step": 1}))
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        shutil.copy(killed / "step-000001" / name, killed / name)
+    with open(killed / "samples.jsonl", "a") as f:
+        f.write(
+            '{"step": 2, "task": "t',
+        )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def resume(run: Path, **extra) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "mlx_grpo", "train", "--resume", str(run)],
+            env={**env, **extra},
+            capture_output=True,
+            timeout=300,
+        )
+
+    point = 0
+    while True:
+        point += 1
+        run = tmp_path / f"crash-{point}"
+        shutil.copytree(killed, run)
+        crashed = resume(run, MLX_GRPO_CRASH_AT=str(point))
+        said = crashed.stdout.decode() + crashed.stderr.decode()
+        if crashed.returncode == 0:
+            break  # past the resume's last write point
+        assert crashed.returncode == 137, said
+        again = resume(run)
+        said = again.stdout.decode() + again.stderr.decode()
+        assert again.returncode == 0 and "Traceback" not in said, (point, said)
+        try:
+            _same_run(run, tmp_path / "full")
+        except AssertionError as e:
+            raise AssertionError(f"resume killed at write point {point}: {e}") from None
+    # The first points are the resume's own: the logs cut (each rewritten atomically),
+    # then step 2 again; more than 10 points were hit.
+    assert point > 10
+    _same_run(run, tmp_path / "full")
+
+
 def test_a_torn_last_record_in_each_log_is_dropped_with_one_line(tiny_model_dir, tmp_path):
     """The power cut inside a log write: `{"step": 3, "reward/me` at the end of
     metrics.jsonl (and of samples.jsonl) resumes, saying what it dropped."""
