@@ -668,22 +668,26 @@ def _step_metrics(
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
-# Guards: entropy and KL above GUARD_FACTOR x their running median (over the earlier
-# steps that updated, once GUARD_WARMUP of them are in) for GUARD_STEPS steps in a row.
+# Guards: entropy or KL above GUARD_FACTOR x its usual value (the median over the last
+# GUARD_WINDOW steps that updated) for GUARD_STEPS steps in a row, once GUARD_WARMUP
+# steps are in (KL grows from 0 over the first twenty or so steps: it waits longer).
 GUARDED = ("entropy", "kl")
 GUARD_CONTEXT = ("completion/len_mean", "curriculum/max_level")
-GUARD_WARMUP, GUARD_FACTOR, GUARD_STEPS = 10, 2.0, 3
+GUARD_WARMUP = {"entropy": 10, "kl": 20}
+GUARD_WINDOW, GUARD_FACTOR, GUARD_STEPS = 20, 2.0, 3
 
 
 def _guards(step: int, metrics: dict, counters: Counters, cfg: RunConfig, say) -> None:
-    """Log `guard/<metric>_x_median` (the step's value over its running median) and warn,
-    with the likely cause, when entropy or KL stays above GUARD_FACTOR x it."""
+    """Log `guard/<metric>_x_median` (the step's value over its usual one) and warn, with
+    the likely cause, when entropy or KL stays above GUARD_FACTOR x it."""
     hist = counters.history
     ratios = {}
     for key in GUARDED + GUARD_CONTEXT:
-        past = hist.get(key, [])
-        if key in metrics and len(past) >= GUARD_WARMUP and np.median(past) > 0:
-            ratios[key] = metrics[key] / float(np.median(past))
+        past = hist.get(key, [])[-GUARD_WINDOW:]
+        if key in metrics and len(hist.get(key, [])) >= GUARD_WARMUP.get(key, 10):
+            usual = float(np.median(past))
+            if usual > 0:
+                ratios[key] = metrics[key] / usual
     for key in GUARDED:
         if key not in ratios:
             continue
@@ -693,8 +697,8 @@ def _guards(step: int, metrics: dict, counters: Counters, cfg: RunConfig, say) -
         if streak == GUARD_STEPS:
             say(
                 f"step {step}: {key} {metrics[key]:.3g} has been above {GUARD_FACTOR:g}x its "
-                f"running median for {streak} steps ({ratios[key]:.1f}x now): "
-                + _guard_cause(key, ratios, hist, cfg)
+                f"median of the last {GUARD_WINDOW} steps for {streak} steps "
+                f"({ratios[key]:.1f}x now): " + _guard_cause(key, ratios, hist, cfg)
             )
     for key in GUARDED + GUARD_CONTEXT:
         if key in metrics:
