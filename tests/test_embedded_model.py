@@ -138,4 +138,4 @@ def test_grpo_learns_the_answer_format_on_the_embedded_model(default_dir, tmp_pa
     assert last >= first + 0.2 and last >= 0.9, (first, last)
     assert np.mean([r["reward/mean"] for r in rows[-3:]]) > rows[0]["reward/mean"]
     if objective:  # the second pass over each rollout moved some sequence ratios past 4e-4
-        assert max(r["clip/frac"] for r in rows) > 0
+        assert max(r.get("clip/frac", 0.0) for r in rows) > 0
