@@ -43,7 +43,7 @@ from mlx_grpo.runfolder import RunFolder
 TRACKERS = ("tensorboard", "wandb", "trackio")
 EXTRA = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 MODULES = {
-    "tensorboard": ("tensorboardX", "tensorboard"),
+    "tensorboard": ("tensorboard",),
     "wandb": ("wandb",),
     "trackio": ("trackio",),
 }
