@@ -8,7 +8,6 @@ mlx.launch --hostfile hosts.json python -m mlx_grpo train ...   (data-parallel, 
 from __future__ import annotations
 
 import argparse
-import errno
 import itertools
 import json
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from mlx_grpo.checkpoint import CheckpointError
 from mlx_grpo.config import ConfigError, RunConfig, build_config, config_help, parse_overrides
+from mlx_grpo.durable import FULL_DISK
 from mlx_grpo.recipe import recipe_defaults
 from mlx_grpo.runfolder import RunFolder, step_of
 
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if e.errno not in FULL_DISK:
             raise
         print(
             f"error: {e.filename or 'a run file'}: {e.strerror}; the last checkpoint is "

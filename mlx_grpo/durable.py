@@ -16,9 +16,13 @@ halfway through its data, after it is complete), and a checkpoint adds one per f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
+
+# The errnos of a write that found no room: a full disk, or a quota reached.
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 _points = 0
 

@@ -40,13 +40,6 @@ import numpy as np
 from mlx_grpo.durable import read_jsonl, write_atomic
 from mlx_grpo.runfolder import RunFolder
 
-TRACKERS = ("tensorboard", "wandb", "trackio")
-EXTRA = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-MODULES = {
-    "tensorboard": ("tensorboard",),
-    "wandb": ("wandb",),
-    "trackio": ("trackio",),
-}
 STATE_FILE = "trackers.json"
 PROJECT = "mlx-grpo"  # the W&B project (unless WANDB_PROJECT) and the trackio project
 SAMPLE_COLUMNS = ("task", "completion", "reward", "components", "finish_reason")
@@ -57,18 +50,18 @@ class TrackerError(RuntimeError):
 
 
 def require(names: list[str]) -> None:
-    """Import each tracker's package now, or fail in one line naming its extra."""
+    """Import each tracker's package now, or fail in one line naming its extra (each
+    tracker's package and extra bear its name)."""
     import importlib
 
     for name in names:
-        for module in MODULES[name]:
-            try:
-                importlib.import_module(module)
-            except ImportError as e:
-                raise TrackerError(
-                    f"output.report_to: {name} needs {module} ({e}); install it with "
-                    f"pip install 'mlx-grpo[{EXTRA[name]}]'"
-                ) from None
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise TrackerError(
+                f"output.report_to: {name} needs the {name} package ({e}); install it with "
+                f"pip install 'mlx-grpo[{name}]'"
+            ) from None
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
@@ -202,11 +195,31 @@ def wandb_history(path: Path) -> list[tuple[int, dict]]:
     return history
 
 
-class _WandB:
+class _RunTracker:
+    """W&B and trackio share one API: `lib.Table(columns, data)`, `run.log(values,
+    step=)`, `run.finish()`; `held` is the set of steps the tracker already has."""
+
+    lib: object  # the wandb or trackio module
+    run: object
+    held: set[int]
+
+    def holds(self, step: int) -> bool:
+        return step in self.held
+
+    def log(self, step: int, scalars: dict[str, float], rows: list[list]) -> None:
+        if rows:
+            scalars = {**scalars, "samples": self.lib.Table(list(SAMPLE_COLUMNS), rows)}
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _WandB(_RunTracker):
     def __init__(self, run_dir: Path, run_id: str, config: dict):
         import wandb
 
-        self.wandb = wandb
+        self.lib = wandb
         mode = _wandb_mode()
         folder = run_dir / "wandb"
         offline = sorted(folder.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
@@ -230,22 +243,14 @@ class _WandB:
     def holds(self, step: int) -> bool:
         return step in self.held or step < self.below
 
-    def log(self, step: int, scalars: dict[str, float], rows: list[list]) -> None:
-        if rows:
-            scalars = {**scalars, "samples": self.wandb.Table(list(SAMPLE_COLUMNS), rows)}
-        self.run.log(scalars, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
-
-
-class _Trackio:
+class _Trackio(_RunTracker):
     def __init__(self, run_dir: Path, run_id: str, config: dict):
         import trackio
         from trackio.sqlite_storage import SQLiteStorage
         from trackio.utils import TRACKIO_DIR
 
-        self.trackio = trackio
+        self.lib = trackio
         name = f"{run_dir.name}-{run_id}"  # folder names repeat across output dirs
         self.held = {r["step"] for r in SQLiteStorage.get_logs(PROJECT, run=name)}
         self.run = trackio.init(
@@ -258,17 +263,6 @@ class _Trackio:
             auto_log_gpu=False,
         )
         self.where = {"dir": str(TRACKIO_DIR), "project": PROJECT, "run": name}
-
-    def holds(self, step: int) -> bool:
-        return step in self.held
-
-    def log(self, step: int, scalars: dict[str, float], rows: list[list]) -> None:
-        if rows:
-            scalars = {**scalars, "samples": self.trackio.Table(list(SAMPLE_COLUMNS), rows)}
-        self.run.log(scalars, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 BACKENDS = {"tensorboard": _TensorBoard, "wandb": _WandB, "trackio": _Trackio}
@@ -302,15 +296,20 @@ class Trackers:
     def log(self, step: int, metrics: dict, samples: list[dict] | None = None) -> None:
         """`metrics` (and `samples`, the step's samples.jsonl records) at `step`, to every
         tracker that does not hold this step yet."""
-        scalars = _scalars(metrics)
+        scalars, rows = _scalars(metrics), _rows(samples or [])
         for backend in self.backends.values():
-            if backend.holds(step):
-                continue
-            backend.log(step, scalars, _rows(samples or []))
+            if not backend.holds(step):
+                backend.log(step, scalars, rows)
 
     def close(self) -> None:
         for backend in self.backends.values():
             backend.close()
+
+    def __enter__(self) -> Trackers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_history(run_dir: Path) -> list[tuple[int, dict, list[dict]]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import math
 import signal
 import threading
@@ -27,7 +26,7 @@ from mlx_grpo.checkpoint import (
 from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.dist import Dist
-from mlx_grpo.durable import cut_jsonl
+from mlx_grpo.durable import FULL_DISK, cut_jsonl
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
@@ -241,133 +240,119 @@ def train(
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
     start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum, say)
     trackers = Trackers(run_dir, cfg.output.report_to if main else [], cfg.model_dump())
-    try:
-        if trackers.names:
-            info(f"report_to: {trackers.where()}")
-        if main and evaluate_fn and cfg.train.eval_every and start == 0:
-            # The base model's held-out figures: where the curves in eval.jsonl start.
-            base = evaluate_fn(0, {"rollout_tokens": 0})
-            trackers.log(0, base)
-            shown = {
-                k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
-            }
-            info(f"held-out before training: {shown}")
-        rollout_fn = rollout_fn or rollout_tasks
-        loss = loss or grpo_loss
-        loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
-        history: list[dict] = []
+    if trackers.names:
+        info(f"report_to: {trackers.where()}")
+    if main and evaluate_fn and cfg.train.eval_every and start == 0:
+        # The base model's held-out figures: where the curves in eval.jsonl start.
+        base = evaluate_fn(0, {"rollout_tokens": 0})
+        trackers.log(0, base)
+        shown = {
+            k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
+        }
+        info(f"held-out before training: {shown}")
 
-        with _CtrlC(say, dist.size == 1) as ctrl_c:
-            for step in range(start + 1, cfg.train.steps + 1):
-                mx.reset_peak_memory()
-                # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
-                # run samples exactly what the uninterrupted run would have sampled. Each
-                # completion has its own key, so it does not depend on how many ranks share
-                # the step.
-                step_seed = cfg.train.seed * 1_000_003 + step
-                mx.random.seed(step_seed)
-                n_tasks = math.ceil(b * curriculum.oversample)
-                tasks = curriculum.sample(n_tasks)  # the same on every rank
-                mine = dist.share(n_tasks)
-                my_tasks = tasks[mine.start : mine.stop]
-                keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
-                samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
+    rollout_fn = rollout_fn or rollout_tasks
+    loss = loss or grpo_loss
+    loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
+    history: list[dict] = []
 
-                # Roll out and score this rank's groups; every rank then sees every record.
-                model.eval()
-                rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
-                scored = recipe.score_rollout(my_tasks, rollout)
-                sample_step = bool(
-                    cfg.train.sample_every
-                    and (step % cfg.train.sample_every == 0 or step == start + 1)
+    # The trackers close however the loop ends (a kill is what resuming mends).
+    with trackers, _CtrlC(say, dist.size == 1) as ctrl_c:
+        for step in range(start + 1, cfg.train.steps + 1):
+            mx.reset_peak_memory()
+            # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
+            # run samples exactly what the uninterrupted run would have sampled. Each
+            # completion has its own key, so it does not depend on how many ranks share
+            # the step.
+            step_seed = cfg.train.seed * 1_000_003 + step
+            mx.random.seed(step_seed)
+            n_tasks = math.ceil(b * curriculum.oversample)
+            tasks = curriculum.sample(n_tasks)  # the same on every rank
+            mine = dist.share(n_tasks)
+            my_tasks = tasks[mine.start : mine.stop]
+            keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
+            samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
+
+            # Roll out and score this rank's groups; every rank then sees every record.
+            model.eval()
+            rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
+            scored = recipe.score_rollout(my_tasks, rollout)
+            sample_step = bool(
+                cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
+            )
+            tic = time.perf_counter()
+            shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
+            gather_s = time.perf_counter() - tic
+            records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
+            rewards = np.array([r.reward for r in records], dtype=np.float32)
+            if errors := [r.error for r in records if r.error]:
+                say(
+                    f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}"
                 )
-                tic = time.perf_counter()
-                shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
-                gather_s = time.perf_counter() - tic
-                records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
-                rewards = np.array([r.reward for r in records], dtype=np.float32)
-                if errors := [r.error for r in records if r.error]:
-                    say(
-                        f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}"
+            counters.reward_errors += len(errors)
+            counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
+
+            # Advantages; the curriculum hears the rewards; the groups with signal train.
+            r_mx = mx.array(rewards)
+            advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
+            zero_var = np.array(zero_variance_groups(r_mx, g))
+            curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
+            train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
+            tic = time.perf_counter()
+            it_metrics, delta, sync_s = [], 0.0, 0.0
+            if train_groups:  # the same on every rank: all of them join the update
+                local = [i - mine.start for i in train_groups if i in mine]
+                batch = None
+                if local:
+                    batch = build_loss_inputs(
+                        rollout,
+                        advantages[mine.start * g : mine.stop * g],
+                        cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                        cfg.grpo.mask_truncated_completions,
+                        local,
                     )
-                counters.reward_errors += len(errors)
-                counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
-
-                # Advantages; the curriculum hears the rewards; the groups with signal train.
-                r_mx = mx.array(rewards)
-                advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
-                zero_var = np.array(zero_variance_groups(r_mx, g))
-                curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-                train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
-                tic = time.perf_counter()
-                it_metrics, delta, sync_s = [], 0.0, 0.0
-                if train_groups:  # the same on every rank: all of them join the update
-                    local = [i - mine.start for i in train_groups if i in mine]
-                    batch = None
-                    if local:
-                        batch = build_loss_inputs(
-                            rollout,
-                            advantages[mine.start * g : mine.stop * g],
-                            cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
-                            cfg.grpo.mask_truncated_completions,
-                            local,
-                        )
-                    it_metrics, delta, sync_s = update_step(
-                        model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
-                        len(train_groups) * g,
-                    )  # fmt: skip
-                update_s = time.perf_counter() - tic
-
-                budget = cfg.train.token_budget
-                last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
-                metrics = _step_metrics(
-                    step, shares, records, rewards, advantages, zero_var, it_metrics,
-                    lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
-                    counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
-                    ranks=dist.size, sync_s=gather_s + sync_s,
+                it_metrics, delta, sync_s = update_step(
+                    model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
+                    len(train_groups) * g,
                 )  # fmt: skip
-                if (
-                    evaluate_fn
-                    and cfg.train.eval_every
-                    and (step % cfg.train.eval_every == 0 or last)
-                ):
-                    metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
-                _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
-                if not zero_var.all():
-                    _guards(step, metrics, counters, cfg, say)
-                if main:
-                    metrics_log.write(metrics)
-                    samples = _sample_records(step, tasks, records, g) if sample_step else []
-                    for record in samples:
-                        samples_log.write(record)
-                    trackers.log(step, metrics, samples)
-                history.append(metrics)
-                stopping = ctrl_c.requested
-                if step % cfg.output.save_every == 0 or last or stopping:
-                    state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
-                    # On rank 0 only; a failure there stops every rank.
-                    args = (
-                        run_dir,
-                        step,
-                        model,
-                        optimizer,
-                        adapter_cfg,
-                        state,
-                        cfg.output.keep_last,
-                    )
-                    go_on = cfg.output.on_full_disk == "continue" and not (last or stopping)
-                    dist.run_on_main(lambda a=args, g=go_on: _save(a, g, say))
-                if callback is not None:
-                    callback(step, metrics)
-                if stopping and not last:
-                    raise Interrupted(step)
-                if last:
-                    if step < cfg.train.steps:
-                        say(f"step {step}: rollout token budget {budget} reached, stopping")
-                    break
-        return history
-    finally:
-        trackers.close()
+            update_s = time.perf_counter() - tic
+
+            budget = cfg.train.token_budget
+            last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
+            metrics = _step_metrics(
+                step, shares, records, rewards, advantages, zero_var, it_metrics,
+                lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
+                counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
+                ranks=dist.size, sync_s=gather_s + sync_s,
+            )  # fmt: skip
+            if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+                metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
+            _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
+            if not zero_var.all():
+                _guards(step, metrics, counters, cfg, say)
+            if main:
+                metrics_log.write(metrics)
+                samples = _sample_records(step, tasks, records, g) if sample_step else []
+                for record in samples:
+                    samples_log.write(record)
+                trackers.log(step, metrics, samples)
+            history.append(metrics)
+            stopping = ctrl_c.requested
+            if step % cfg.output.save_every == 0 or last or stopping:
+                state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
+                # On rank 0 only; a failure there stops every rank.
+                args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
+                go_on = cfg.output.on_full_disk == "continue" and not (last or stopping)
+                dist.run_on_main(lambda a=args, g=go_on: _save(a, g, say))
+            if callback is not None:
+                callback(step, metrics)
+            if stopping and not last:
+                raise Interrupted(step)
+            if last:
+                if step < cfg.train.steps:
+                    say(f"step {step}: rollout token budget {budget} reached, stopping")
+                break
+    return history
 
 
 def _save(args: tuple, go_on: bool, say) -> str:
@@ -665,8 +650,6 @@ def _step_metrics(
     out["rollout/tokens_total"] = counters.rollout_tokens
     return out
 
-
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 # Guards: entropy or KL above GUARD_FACTOR x its usual value (the median over the last
 # GUARD_WINDOW steps that updated) for GUARD_STEPS steps in a row, once GUARD_WARMUP

@@ -105,8 +105,7 @@ def _tensorboard(run: Path) -> dict[str, list[tuple[int, float]]]:
 def killed_and_resumed(tiny_model_dir, tmp_path_factory):
     """(run folder, env): 6 steps, killed at step 4's checkpoint, resumed to the end."""
     tmp = tmp_path_factory.mktemp("trackers")
-    names = [n for n, m in [("tensorboard", "tensorboard"), ("wandb", "wandb"),
-                            ("trackio", "trackio")] if _have(m)]  # fmt: skip
+    names = [n for n in ("tensorboard", "wandb", "trackio") if _have(n)]  # package = name
     if not names:
         pytest.skip("no tracker extra installed (pip install 'mlx-grpo[trackers]')")
     args = [

@@ -471,18 +471,12 @@ def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tiny_model_dir, tmp_pat
     _same_run(tmp_path / "stopped", tmp_path / "full")
 
 
-def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(
-    tiny_model_dir, tmp_path, monkeypatch, capsys
-):
-    """ENOSPC while writing step 4's checkpoint: one line, step 2's checkpoint intact;
-    with space again, --resume ends in the uninterrupted run."""
+def _no_room_for_step_4_checkpoint(monkeypatch):
+    """ENOSPC for every file of step 4's checkpoint; returns the real writer."""
     import errno
 
     import mlx_grpo.checkpoint as ckpt
-    from mlx_grpo.cli import main
 
-    steps = ["--train.steps=6", "--output.save_every=2", "--train.sample_every=1"]
-    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
     real = ckpt._save_safetensors
 
     def full_disk(path, arrays):
@@ -491,6 +485,20 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(
         real(path, arrays)
 
     monkeypatch.setattr(ckpt, "_save_safetensors", full_disk)
+    return real
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """ENOSPC while writing step 4's checkpoint: one line, step 2's checkpoint intact;
+    with space again, --resume ends in the uninterrupted run."""
+    import mlx_grpo.checkpoint as ckpt
+    from mlx_grpo.cli import main
+
+    steps = ["--train.steps=6", "--output.save_every=2", "--train.sample_every=1"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
+    real = _no_room_for_step_4_checkpoint(monkeypatch)
     with pytest.raises(SystemExit) as exit_:
         main(["train", *_args(tiny_model_dir, tmp_path, "disk", *steps)])
     assert exit_.value.code == 2
@@ -510,20 +518,9 @@ def test_on_full_disk_continue_trains_on_without_that_checkpoint(
 ):
     """output.on_full_disk=continue: ENOSPC at step 4's checkpoint is a warning, the run
     trains on and saves step 6, and ends as the uninterrupted run does."""
-    import errno
-
-    import mlx_grpo.checkpoint as ckpt
-
     steps = ["--train.steps=6", "--output.save_every=2", "--train.sample_every=1"]
     assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
-    real = ckpt._save_safetensors
-
-    def full_disk(path, arrays):
-        if path.parent.name.endswith("step-000004"):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path, arrays)
-
-    monkeypatch.setattr(ckpt, "_save_safetensors", full_disk)
+    _no_room_for_step_4_checkpoint(monkeypatch)
     said = []
     monkeypatch.setattr("mlx_grpo.log.Display.warn", lambda self, text: said.append(text))
     args = _args(tiny_model_dir, tmp_path, "disk", *steps, "--output.on_full_disk=continue")
