@@ -21,6 +21,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
 
+from mlx_grpo import fastmath
+
 
 def _output_head(model: nn.Module):
     """The model's vocab projection, so logits can be computed for chosen positions only."""
@@ -41,7 +43,7 @@ def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.arra
     """
     shifted = logits.astype(mx.float32)
     shifted = shifted - mx.stop_gradient(shifted.max(axis=-1, keepdims=True))
-    e = mx.exp(shifted)
+    e = fastmath.exp(shifted)
     total = e.sum(axis=-1)
     log_total = mx.log(total)
     picked = mx.take_along_axis(shifted, mx.stop_gradient(targets)[..., None], axis=-1)

@@ -24,6 +24,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
+from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.env import Env, Episode
 from mlx_grpo.models import adapters_folded
@@ -128,7 +129,8 @@ class KeyedSampler:
     A completion's tokens then depend on its key and its logits only, not on which
     other sequences share its batch: a group samples the same tokens whether one
     process rolls out the whole step or a rank of a data-parallel run rolls out its
-    share. Filters are those of `mlx_lm.sample_utils.make_sampler`, in its order.
+    share. Filters are those of `mlx_lm.sample_utils.make_sampler`, in its order; the
+    draw over the vocabulary is `fastmath.categorical` (one exp a word, not two logs).
     """
 
     def __init__(self, cfg: RolloutConfig, key: mx.array):
@@ -151,7 +153,7 @@ class KeyedSampler:
             return top_k_sampler(logprobs, self.top_k, self.top_p, self.temp, key=pair[1])
         for f in self.filters:
             logprobs = f(logprobs)
-        return mx.random.categorical(logprobs * (1.0 / self.temp), key=pair[1])
+        return fastmath.categorical(logprobs * (1.0 / self.temp), key=pair[1])
 
 
 def keyed_samplers(cfg: RolloutConfig, keys: mx.array) -> list[KeyedSampler]:

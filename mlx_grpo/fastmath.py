@@ -1,0 +1,88 @@
+"""`exp` and categorical sampling for the vocabulary-wide work, fast on CPUs too.
+
+MLX 0.32's CPU backend evaluates `mx.exp` one element at a time: on x86 it costs about
+12 ns a float, 20x NumPy's time, and an exp over [rows, 49152] logits costs more than
+the matmul that made them. `exp` here is the same algorithm as MLX's own (the same
+range reduction and degree-6 polynomial for 2^f, so the same accuracy), written with
+arithmetic that the compiler vectorises, and compiled into one kernel: about 8x faster
+on a CPU. Its gradient is the output itself, as for `mx.exp`. On a GPU both are one
+kernel, and `exp` is `mx.exp`.
+
+`categorical` draws by the inverse CDF: one exp, one cumulative sum and one uniform
+number per row, where `mx.random.categorical` takes a uniform number and two logs per
+vocabulary entry (Gumbel-max).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_LOG2E = 1.4426950408889634
+_ROUND = 12582912.0  # 1.5 * 2^23: adding it rounds a float below 2^22 to an integer
+_EXP_BIAS = 0x4B400000 - 127  # the bits of _ROUND, less the float32 exponent bias
+# 2^f on [-1/2, 1/2], highest power first (Cephes' exp2f coefficients, as in MLX).
+_POLY = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+
+
+def _exp_kernel(x: mx.array) -> mx.array:
+    # e^x = 2^t = 2^n * 2^f with n = round(t), |f| <= 1/2. With t clipped to [-127, 128],
+    # the exponent field of 2^n is 0 (the float 0) at n = -127 and 255 (inf) at n = 128:
+    # e^x is 0 below about -88.0 and inf above about 88.4 (float32's limits are -87.3 for
+    # normal numbers and 88.7; MLX's exp has the same kind of cut-offs). NaN stays NaN.
+    t = mx.minimum(mx.maximum(x * _LOG2E, -127.0), 128.0)
+    r = t + _ROUND  # its low mantissa bits hold n
+    f = t - (r - _ROUND)
+    p = _POLY[0]
+    for c in _POLY[1:]:
+        p = p * f + c
+    return p * ((r.view(mx.int32) - _EXP_BIAS) << 23).view(mx.float32)
+
+
+_exp_compiled = mx.compile(_exp_kernel)
+
+
+@mx.custom_function
+def _fast_exp(x: mx.array) -> mx.array:
+    return _exp_compiled(x)
+
+
+@_fast_exp.vjp
+def _fast_exp_vjp(primals, cotangent, output):
+    return cotangent * output
+
+
+def _on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def exp(x: mx.array) -> mx.array:
+    """e^x elementwise, float32 (see the module doc)."""
+    if not _on_cpu() or x.dtype != mx.float32:
+        return mx.exp(x)
+    return _fast_exp(x)
+
+
+def categorical(logits: mx.array, key: mx.array | None = None) -> mx.array:
+    """One draw per row from softmax(logits) ([..., V] -> [...], uint32), from `key`
+    when given, else the global RNG. Entries at -inf are never drawn.
+
+    Row-wise: weights w = exp(logits - max), their running sums c, u uniform in [0, 1),
+    and the draw is the first i with c_i > u * c_last (the number of c_i <= u * c_last).
+    Where u * c_last rounds up to c_last (about once in 2^24 draws), the draw is the
+    first i with c_i = c_last, which has w_i > 0, instead of running off the end.
+    """
+    logits = logits.astype(mx.float32)
+    w = exp(logits - logits.max(axis=-1, keepdims=True))
+    c = mx.cumsum(w, axis=-1)
+    total = c[..., -1:]
+    u = mx.random.uniform(shape=total.shape, key=key)
+    picked = mx.minimum((c <= u * total).sum(axis=-1), (c < total).sum(axis=-1))
+    return picked.astype(mx.uint32)

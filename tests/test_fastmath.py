@@ -1,0 +1,97 @@
+"""mlx_grpo.fastmath against float64 NumPy: exp's accuracy, its gradient, the
+log-softmax built on it, and the distribution of the inverse-CDF sampler."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_grpo import fastmath
+from mlx_grpo.logprobs import _logprobs_of
+
+EPS32 = 2.0**-24  # float32 unit roundoff
+
+
+def test_exp_is_within_float32_rounding_of_float64_exp():
+    """Error budget of 2^t with t = x log2(e): rounding t costs ln2 |t| ulps of the
+    result, the polynomial for 2^f about 3.4 (its minimax error, 2e-7) and Horner's six
+    steps and the final product one each: (12 + ln2 |t|) unit roundoffs, relative."""
+    x = np.concatenate(
+        [np.linspace(-87.0, 88.0, 200_001), np.random.default_rng(0).normal(0, 4, 100_000)]
+    ).astype(np.float32)
+    got = np.array(fastmath.exp(mx.array(x)), dtype=np.float64)
+    want = np.exp(x.astype(np.float64))
+    bound = (12 + math.log(2) * np.abs(x * math.log2(math.e))) * EPS32
+    rel = np.abs(got - want) / want
+    assert np.all(rel <= bound), float(np.max(rel / bound))
+
+
+def test_exp_limits_match_mlx():
+    x = mx.array([-np.inf, -1000.0, -89.0, 0.0, 89.0, 1000.0, np.inf, np.nan])
+    got = np.array(fastmath.exp(x))
+    want = np.array(mx.exp(x))
+    assert np.array_equal(got, want, equal_nan=True), (got, want)
+    assert got[3] == 1.0
+
+
+def test_exp_gradient_is_its_output():
+    x = mx.array(np.linspace(-20, 20, 101, dtype=np.float32))
+    w = mx.array(np.random.default_rng(1).normal(size=101).astype(np.float32))
+    grad = mx.grad(lambda v: (fastmath.exp(v) * w).sum())(x)
+    want = np.array(w, np.float64) * np.exp(np.array(x, np.float64))
+    assert np.allclose(np.array(grad), want, rtol=(12 + math.log(2) * 29) * EPS32, atol=0)
+
+
+def test_log_softmax_and_entropy_match_float64():
+    """_logprobs_of's normaliser and entropy run on fastmath.exp. Against float64: each
+    exp term is off by at most (12 + ln2 |t|) unit roundoffs (above) and a float32 sum
+    of V positive terms by at most V of them, so log Z is off by their sum; the
+    entropy's sum of p x adds the same relative error times max |x|."""
+    rng = np.random.default_rng(2)
+    v = 4096
+    scale = np.array([1.0, 3.0, 10.0])[:, None, None]  # |logits| <= ~45
+    logits = (rng.normal(size=(3, 4, v)) * scale).astype(np.float32)
+    targets = rng.integers(0, v, size=(3, 4))
+    lp, ent = _logprobs_of(mx.array(logits), mx.array(targets))
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    log_z = np.log(np.exp(x).sum(axis=-1))
+    want_lp = np.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - log_z
+    p = np.exp(x - log_z[..., None])
+    want_ent = -(p * (x - log_z[..., None])).sum(axis=-1)
+    big = np.abs(x).max()
+    rel = (v + 12 + math.log(2) * big * math.log2(math.e)) * EPS32
+    assert np.all(np.abs(np.array(lp) - want_lp) <= rel + big * EPS32)
+    assert np.all(np.abs(np.array(ent) - want_ent) <= 2 * rel * (1 + big))
+
+
+def test_categorical_draws_softmax_frequencies_and_never_a_masked_entry():
+    """40,000 draws per case; every frequency within 5 standard deviations of the
+    binomial around softmax(logits) (a chance of about 6e-7 per entry to fail)."""
+    n = 40_000
+    cases = [
+        [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0],
+        [0.0, -np.inf, 3.0, -np.inf, 1.0, 2.5, -np.inf, -np.inf],  # -inf: filtered
+        [-np.inf, -np.inf, 0.0, -np.inf],  # one candidate left
+        list(np.linspace(-20, 5, 64)),  # a long tail
+    ]
+    key = mx.random.key(5)
+    for logits in cases:
+        row = np.array(logits, np.float64)
+        want = np.exp(row - row.max())
+        want /= want.sum()
+        key, sub = mx.random.split(key)
+        rows = mx.broadcast_to(mx.array(row.astype(np.float32)), (n, len(row)))
+        draws = np.array(fastmath.categorical(rows, key=sub))
+        freq = np.bincount(draws, minlength=len(row)) / n
+        assert np.all(freq[want == 0] == 0), (logits, freq)
+        sd = np.sqrt(want * (1 - want) / n)
+        assert np.all(np.abs(freq - want) <= 5 * sd + 1 / n), (logits, freq, want)
+
+
+def test_categorical_is_a_function_of_its_key():
+    logits = mx.array(np.random.default_rng(3).normal(size=(6, 500)).astype(np.float32))
+    a = fastmath.categorical(logits, key=mx.random.key(11))
+    b = fastmath.categorical(logits, key=mx.random.key(11))
+    c = fastmath.categorical(logits, key=mx.random.key(12))
+    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
