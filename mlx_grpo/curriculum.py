@@ -160,6 +160,7 @@ class LearnabilityCurriculum:
         self.level_mean: dict[int, float] = {}
         self.last: list[Task] = []
         self.last_replayed = 0
+        self.last_flat = (0.0, 0.0)  # share of replayed / new groups whose rewards were equal
 
     # -- selection --------------------------------------------------------------------
 
@@ -234,6 +235,12 @@ class LearnabilityCurriculum:
 
     def update(self, tasks: list[Task], group_rewards: list[list[float]]) -> None:
         a = self.cfg.score_ema
+        flat = [float(np.ptp(rewards)) <= 1e-8 for rewards in group_rewards]
+        k = self.last_replayed  # sample() puts the replayed tasks first
+        self.last_flat = (
+            float(np.mean(flat[:k])) if k else 0.0,
+            float(np.mean(flat[k:])) if flat[k:] else 0.0,
+        )
         for task, rewards in zip(tasks, group_rewards):
             r = np.asarray(rewards, dtype=np.float64) / self.max_reward
             score, mean = float(r.var()), float(r.mean())
@@ -267,6 +274,10 @@ class LearnabilityCurriculum:
         scores = [e[0] for e in self.buffer.values()]
         return {
             "curriculum/replay_frac": self.last_replayed / max(len(self.last), 1),
+            # Where the groups without signal come from: tasks replayed for their
+            # variance that came back all-equal, or new tasks.
+            "curriculum/replay_zero_variance_frac": self.last_flat[0],
+            "curriculum/new_zero_variance_frac": self.last_flat[1],
             "curriculum/score_mean": float(np.mean(scores)) if scores else 0.0,
             "curriculum/max_level": self.levels[self.top],
             "curriculum/buffer": len(self.buffer),

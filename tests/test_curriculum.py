@@ -162,7 +162,14 @@ def test_tasks_that_gave_no_gradient_are_not_replayed():
     assert len({t.id for batch in zeros for t in batch}) == 20  # nothing drawn twice
     tasks = cur.sample(4)  # one learnable group: from now on it is replayed
     cur.update(tasks, [[0.0, 1.0] * 4] + [[0.0] * 8] * 3)
-    assert cur.sample(4)[0].id == tasks[0].id and cur.last_replayed == 1
+    again = cur.sample(4)
+    assert again[0].id == tasks[0].id and cur.last_replayed == 1
+    # The replayed task comes back all-equal, one of the three new ones mixed: the log
+    # tells the two sources of groups without signal apart.
+    cur.update(again, [[1.0] * 8, [0.0, 1.0] * 4, [0.0] * 8, [0.5] * 8])
+    m = cur.metrics()
+    assert m["curriculum/replay_zero_variance_frac"] == 1.0
+    assert m["curriculum/new_zero_variance_frac"] == pytest.approx(2 / 3)
 
 
 def test_the_in_training_eval_covers_every_level_alike():
