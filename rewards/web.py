@@ -8,7 +8,9 @@ Components, each in [0, 1]:
 - `success`: the goal check on the environment's final state (right button pressed with
   the right values and nothing else changed, right answer given through `stop`...).
   Prose that contains the answer earns nothing: only a `stop` action answers.
-- `progress`: the share of the goal's conditions met (pages reached, fields set...).
+- `progress`: the share of the goal's conditions met (pages reached, fields set...);
+  the environment decides what counts (web_browsing: the final press or answer only
+  after everything else).
 - `format`: the share of turns whose reply is exactly one well-formed action.
 - `validity`: the share of executed actions that hit an existing element of the right
   kind (type into a textbox, select an existing option, click something clickable).

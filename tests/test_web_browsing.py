@@ -128,9 +128,13 @@ def test_forms_need_the_right_values_the_submit_and_no_side_effects(train):
         wrong = list(solution)
         field = parse_action(solution[typed])
         wrong[typed] = f'type "{field.label}" [{field.target}] "nobody@example.com"'
-        r = reward(task, play(task, wrong))
-        assert r["success"] == 0 and r["progress"] == pytest.approx((n - 1) / n)
+        r = reward(task, play(task, wrong))  # one value wrong: its submit is no progress
+        assert r["success"] == 0 and r["progress"] == pytest.approx((n - 2) / n)
         assert r["format"] == 1 and r["validity"] == 1 and r["efficiency"] == 0
+
+        ep = play(task, solution[-1:])  # submitted before anything is filled in
+        r = reward(task, ep)
+        assert ep.done and r["success"] == 0 and r["progress"] == 0
 
         ep = play(task, solution[:-1])  # everything filled in, never submitted
         r = reward(task, ep)

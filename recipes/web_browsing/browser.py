@@ -74,7 +74,14 @@ class Outcome(NamedTuple):
 
     @property
     def progress(self) -> float:
-        return sum(self.met) / len(self.met) if self.met else 0.0
+        """The share of conditions met, where the last one (the press or the answer that
+        ends the episode) counts only once all the others are: submitting an unfilled
+        form is not half a solution, and paying for it taught the policy to press
+        submit first."""
+        if not self.met:
+            return 0.0
+        *before, last = self.met
+        return (sum(before) + (last and all(before))) / len(self.met)
 
 
 class WebEnv:

@@ -51,7 +51,7 @@ class TaskSpec:
 
     site: dict
     goal: str
-    conditions: list[dict]  # each met or not at the end; success needs all of them
+    conditions: list[dict]  # success needs all; the last is the act ending the episode
     solution: list[str]  # the shortest action sequence that reaches the goal
     keep: list[dict] = field(default_factory=list)  # fields that must keep their value
 
