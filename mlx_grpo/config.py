@@ -169,6 +169,14 @@ class GRPOConfig(_Section):
         "None: the whole batch at once.",
     )
 
+    compile: bool = Field(
+        False,
+        description="Run the update's loss and gradient under mx.compile "
+        "(mlx_grpo/compiled.py): one group per call, prompts and completions padded to multiples of 32 tokens so "
+        "that shapes repeat (the count is logged as compile/traces). Fewer, fused kernels; "
+        "each new shape costs a compilation.",
+    )
+
 
 class OptimizerConfig(_Section):
     """AdamW on the adapters, and its schedule."""

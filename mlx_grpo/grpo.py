@@ -222,12 +222,13 @@ def aggregate(
     max_new_tokens: int,
     total_rows: int | None = None,
     total_tokens: float | None = None,
+    weights: mx.array | None = None,
 ) -> mx.array:
     """Reduce [N, C] per-token values to the scalar loss (see the module docstring).
 
     `total_rows` / `total_tokens` replace N and the mask's token count when this batch
     is one rank's share of a larger one: the ranks' results then sum to the loss of
-    the whole batch.
+    the whole batch. `weights`: `turn_weights(mask)` when already computed.
     """
     if loss_type == "grpo":
         per_seq = (values * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
@@ -238,7 +239,8 @@ def aggregate(
     if loss_type == "dapo":
         return masked_mean(values, mask, total_tokens)
     if loss_type == "turn":
-        per_seq = (values * mask * turn_weights(mask)).sum(axis=1)
+        w = turn_weights(mask) if weights is None else weights
+        per_seq = (values * mask * w).sum(axis=1)
         return per_seq.mean() if total_rows is None else per_seq.sum() / total_rows
     raise ValueError(f"loss_type must be grpo|dr_grpo|dapo|turn, got {loss_type!r}")
 
@@ -279,6 +281,23 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     logp, entropy = completion_logprobs(
         model, batch.prompts, batch.completions, cfg.logits_chunk, mask=batch.mask
     )
+    return objective(logp, entropy, batch, cfg)
+
+
+def objective(
+    logp: mx.array,
+    entropy: mx.array,
+    batch: LossInputs,
+    cfg,
+    weights: mx.array | None = None,
+    rows_on: mx.array | None = None,
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """(loss, metrics) from the policy's log-probs and entropies ([N, C]) of `batch`.
+
+    The counts may be arrays (`mlx_grpo.compiled` passes them so): `weights` is
+    `turn_weights(batch.mask)` when already known, and `rows_on` ([N], 1 on real rows)
+    keeps rows that only pad a batch to a shape out of the sequence-level means.
+    """
     old = mx.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     mask, tokens = batch.mask, batch.total_tokens
@@ -286,10 +305,12 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     tok_loss, kl, clipped, ratio = per_token_loss(
         logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, cfg.beta, mask, level
     )
-    counts = (cfg.loss_type, batch.max_new_tokens, batch.total_rows, tokens)
+    counts = (cfg.loss_type, batch.max_new_tokens, batch.total_rows, tokens, weights)
     loss = aggregate(tok_loss, mask, *counts)
     if level == "sequence":  # one ratio per completion: means over completions, as TRL's
         rows = mask.shape[0] if batch.total_rows is None else batch.total_rows
+        if rows_on is not None:
+            clipped, ratio = clipped * rows_on[:, None], ratio * rows_on[:, None]
         clip_frac, ratio_mean = clipped.astype(mx.float32).sum() / rows, ratio.sum() / rows
     else:
         clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)

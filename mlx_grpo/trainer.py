@@ -23,6 +23,7 @@ from mlx_grpo.checkpoint import (
     publish_adapters,
     save_checkpoint,
 )
+from mlx_grpo.compiled import CompiledLossAndGrad
 from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.dist import Dist
@@ -252,8 +253,13 @@ def train(
         info(f"held-out before training: {shown}")
 
     rollout_fn = rollout_fn or rollout_tasks
-    loss = loss or grpo_loss
-    loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
+    if cfg.grpo.compile:
+        if loss is not None:
+            raise TrainingError("grpo.compile compiles the GRPO loss; a custom loss runs eagerly")
+        loss_and_grad = CompiledLossAndGrad(model, cfg.grpo)
+    else:
+        loss = loss or grpo_loss
+        loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
     history: list[dict] = []
 
     # The trackers close however the loop ends (a kill is what resuming mends).
@@ -325,6 +331,8 @@ def train(
                 counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
+            if cfg.grpo.compile:
+                metrics["compile/traces"] = loss_and_grad.traces
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
             _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
