@@ -70,9 +70,25 @@ def exp(x: mx.array) -> mx.array:
     return _fast_exp(x)
 
 
-def categorical(logits: mx.array, key: mx.array | None = None) -> mx.array:
+def log_softmax(x: mx.array) -> mx.array:
+    """x - logsumexp(x) over the last axis, with `exp` (mx.logsumexp's exp is scalar on
+    CPUs)."""
+    m = mx.stop_gradient(x.max(axis=-1, keepdims=True))
+    return x - (m + mx.log(exp((x - m).astype(mx.float32)).sum(axis=-1, keepdims=True)))
+
+
+def uniform_rows(keys: mx.array) -> mx.array:
+    """[n, 1] uniform numbers in [0, 1), row i drawn from keys[i] ([n, 2]): the number
+    `mx.random.uniform(shape=(1,), key=keys[i])` gives, for all rows in one call."""
+    return mx.vmap(lambda k: mx.random.uniform(shape=(1,), key=k))(keys)
+
+
+def categorical(
+    logits: mx.array, key: mx.array | None = None, u: mx.array | None = None
+) -> mx.array:
     """One draw per row from softmax(logits) ([..., V] -> [...], uint32), from `key`
-    when given, else the global RNG. Entries at -inf are never drawn.
+    when given, else the global RNG, or from the uniform numbers `u` ([..., 1]) when
+    given. Entries at -inf are never drawn.
 
     Row-wise: weights w = exp(logits - max), their running sums c, u uniform in [0, 1),
     and the draw is the first i with c_i > u * c_last (the number of c_i <= u * c_last).
@@ -83,6 +99,7 @@ def categorical(logits: mx.array, key: mx.array | None = None) -> mx.array:
     w = exp(logits - logits.max(axis=-1, keepdims=True))
     c = mx.cumsum(w, axis=-1)
     total = c[..., -1:]
-    u = mx.random.uniform(shape=total.shape, key=key)
+    if u is None:
+        u = mx.random.uniform(shape=total.shape, key=key)
     picked = mx.minimum((c <= u * total).sum(axis=-1), (c < total).sum(axis=-1))
     return picked.astype(mx.uint32)

@@ -20,7 +20,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
@@ -130,13 +130,16 @@ class KeyedSampler:
     other sequences share its batch: a group samples the same tokens whether one
     process rolls out the whole step or a rank of a data-parallel run rolls out its
     share. Filters are those of `mlx_lm.sample_utils.make_sampler`, in its order; the
-    draw over the vocabulary is `fastmath.categorical` (one exp a word, not two logs).
+    draw is by inverse CDF (`fastmath.categorical`, one exp a word, not two logs) from
+    one uniform number of the row's key. `draw` samples many rows, each from its own
+    sampler's key, in one batched call with the same tokens.
     """
 
     def __init__(self, cfg: RolloutConfig, key: mx.array):
         self.key = key
         self.temp = cfg.temperature
         self.top_k, self.top_p = cfg.top_k, cfg.top_p
+        self.settings = (cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
         self.fast_top_k = cfg.top_k > 0 and cfg.min_p == 0.0
         self.filters = []
         if 0 < cfg.top_p < 1.0:
@@ -147,13 +150,58 @@ class KeyedSampler:
             self.filters.append(lambda x: apply_top_k(x, cfg.top_k))
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        pair = mx.random.split(self.key)
-        self.key = pair[0]
-        if self.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
-            return top_k_sampler(logprobs, self.top_k, self.top_p, self.temp, key=pair[1])
-        for f in self.filters:
+        return KeyedSampler.draw([self], logprobs)
+
+    @staticmethod
+    def draw(samplers: list[KeyedSampler], logprobs: mx.array) -> mx.array:
+        """One token per row of `logprobs` ([n, V]), row i from `samplers[i]`'s key
+        stream (the samplers share their settings); each key moves on one split."""
+        first = samplers[0]
+        keys = first.key[None] if len(samplers) == 1 else mx.stack([s.key for s in samplers])
+        pairs = mx.vmap(mx.random.split)(keys)  # [n, 2, 2]: the next key, this draw's
+        for i, s in enumerate(samplers):
+            s.key = pairs[i, 0]
+        u = fastmath.uniform_rows(pairs[:, 1])
+        if first.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
+            ids, vals = top_k_candidates(logprobs, first.top_k, first.top_p)
+            pick = fastmath.categorical(vals * (1 / first.temp), u=u)
+            return mx.take_along_axis(ids, pick[..., None].astype(mx.int32), axis=-1).squeeze(-1)
+        for f in first.filters:
             logprobs = f(logprobs)
-        return fastmath.categorical(logprobs * (1.0 / self.temp), key=pair[1])
+        return fastmath.categorical(logprobs * (1.0 / first.temp), u=u)
+
+
+class _GenerationBatch(GenerationBatch):
+    """mlx_lm's decode step with two vocabulary-wide CPU costs taken out: the
+    log-softmax normaliser uses `fastmath.exp` (mx.logsumexp's exp is scalar on CPUs),
+    and rows whose samplers are all `KeyedSampler`s with one setting draw in one batched
+    call (`KeyedSampler.draw`: the tokens each row's own call would give) instead of
+    one call per row. Anything else (logits processors, other samplers) takes mlx_lm's
+    own step."""
+
+    def _step(self):
+        samplers = self.samplers or []
+        if (
+            any(self.logits_processors)
+            or not samplers
+            or not all(isinstance(s, KeyedSampler) for s in samplers)
+            or any(s.settings != samplers[0].settings for s in samplers)
+        ):
+            return super()._step()
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        inputs = self._current_tokens
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        logprobs = fastmath.log_softmax(logits)
+        self._next_tokens = KeyedSampler.draw(samplers, logprobs)
+        self._next_logprobs = list(logprobs)
+        mx.async_eval(self._next_tokens, self._next_logprobs)
+        # As mlx_lm's step: the current tokens join self.tokens (what the cache holds).
+        mx.eval(inputs, self._current_logprobs)
+        inputs = inputs.tolist()
+        for sti, ti in zip(self.tokens, inputs):
+            sti.append(ti)
+        return inputs, self._current_logprobs
 
 
 def keyed_samplers(cfg: RolloutConfig, keys: mx.array) -> list[KeyedSampler]:
@@ -225,6 +273,7 @@ def _decode(
         completion_batch_size=n,
         prefill_batch_size=n,
     )
+    gen._generation_batch = _GenerationBatch.empty(model, gen.sampler)  # see its doc
     try:
         # The prompt caches are merged into a batch cache: never mutated.
         uids = gen.insert(tails, caches=caches, samplers=samplers)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_grpo.config import RolloutConfig
-from mlx_grpo.rollout import encode_prompt, generate_groups, keyed_samplers
+from mlx_grpo.rollout import KeyedSampler, encode_prompt, generate_groups, keyed_samplers
 
 
 def _prompts(tokenizer):
@@ -176,3 +177,61 @@ def test_a_shared_prefix_is_prefilled_once_with_the_same_caches(tiny, tiny_model
     mx.eval([c.state for c in shared[0]])
     after = [np.array(c.state[0][..., : c.offset, :]) for c in shared[1]]
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_batched_keyed_draw_equals_one_call_per_row(top_k):
+    """KeyedSampler.draw over many rows gives each row the token its own call gives, and
+    leaves each key where its own call would."""
+    cfg = RolloutConfig(temperature=1.0, top_k=top_k, top_p=0.9 if top_k else 1.0)
+    logits = mx.random.normal((9, 300), key=mx.random.key(1)) * 3
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    keys = mx.random.split(mx.random.key(2), 9)
+    rows, batched = keyed_samplers(cfg, keys), keyed_samplers(cfg, keys)
+    for _ in range(3):
+        one = [rows[i](logprobs[i : i + 1]).item() for i in range(9)]
+        assert np.array(KeyedSampler.draw(batched, logprobs)).tolist() == one
+    for a, b in zip(rows, batched):
+        assert np.array(a.key).tolist() == np.array(b.key).tolist()
+    assert len(set(one)) > 3  # the rows really draw from their own keys
+
+
+def test_keyed_draw_follows_its_key_stream():
+    """Against a float64 reference built from the key alone: at each draw the key splits
+    into (next key, this draw's key), one uniform number u comes from the latter, and the
+    token is the first whose cumulative softmax mass exceeds u."""
+    cfg = RolloutConfig(temperature=0.7)
+    logits = mx.random.normal((5, 200), key=mx.random.key(6)) * 2
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    keys = mx.random.split(mx.random.key(9), 5)
+    samplers = keyed_samplers(cfg, keys)
+    p = np.exp(np.array(logprobs, np.float64) / 0.7)
+    cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
+    for _ in range(4):
+        got = np.array(KeyedSampler.draw(samplers, logprobs)).tolist()
+        want = []
+        for i in range(5):
+            nxt, sub = mx.random.split(keys[i])
+            u = mx.random.uniform(shape=(1,), key=sub).item()
+            want.append(int(np.searchsorted(cdf[i], u, side="right")))
+            keys[i] = nxt
+        assert got == want
+        assert np.array(mx.stack([s.key for s in samplers])).tolist() == np.array(keys).tolist()
+
+
+def test_decode_step_samples_the_tokens_of_mlx_lm_step(tiny, monkeypatch):
+    """The decode step with the fast normaliser and batched keyed draws samples the same
+    tokens as mlx_lm's own step for the same keys."""
+    from mlx_lm.generate import GenerationBatch
+
+    import mlx_grpo.rollout as rollout
+
+    model, tok = tiny
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0)
+    prompts = _prompts(tok)
+    keys = mx.random.split(mx.random.key(8), 12)
+    fast = generate_groups(model, tok, prompts, 4, cfg, keyed_samplers(cfg, keys))
+    monkeypatch.setattr(rollout, "_GenerationBatch", GenerationBatch)
+    plain = generate_groups(model, tok, prompts, 4, cfg, keyed_samplers(cfg, keys))
+    assert [c.tokens for c in fast.completions] == [c.tokens for c in plain.completions]
+    assert len({tuple(c.tokens) for c in fast.completions}) > 6
