@@ -10,8 +10,9 @@ runs alone, in a shape taken from a small set:
 - completions are right-padded to a multiple of `PAD` (padding sits after what it could
   affect, so the causal mask keeps it out), and log-probs off the loss mask are set to
   0, as `completion_logprobs` returns them where it skips positions;
-- a group's rows (a whole group, or a run of a group cut by `micro_batch_tokens`) are
-  padded with empty rows to a power of two, capped at the group size.
+- a call takes a whole group (G rows) or a run of rows of a group cut by
+  `micro_batch_tokens` (1 to G rows; padding those with empty rows would cost memory
+  where memory is what the cut saves).
 Everything that depends on values rather than shapes (prompt lengths, the loss mask, its
 turn weights, the batch's counts) enters as arrays, so a new batch with the same padded
 shapes replays the trace. The objective is `grpo.objective`, the one the eager path
@@ -50,15 +51,6 @@ def padded(n: int, multiple: int = PAD) -> int:
     (32, 32, 64)
     """
     return max(1, -(-n // multiple)) * multiple
-
-
-def padded_rows(rows: int, group_size: int) -> int:
-    """Rows a group's piece is padded to: a power of two, at most the group size.
-
-    >>> [padded_rows(r, 8) for r in (1, 3, 5, 8)], padded_rows(5, 6)
-    ([1, 4, 8, 8], 6)
-    """
-    return min(1 << (rows - 1).bit_length(), max(rows, group_size))
 
 
 class _LeftPadded(_PrefixCache):
@@ -130,8 +122,7 @@ class CompiledLossAndGrad:
             total_rows=counts[0],
             total_tokens=counts[1],
         )
-        rows_on = (mx.arange(r) < counts[3]).astype(mx.float32)
-        return objective(lp, ent, batch, self.cfg, weights=weights, rows_on=rows_on)
+        return objective(lp, ent, batch, self.cfg, weights=weights)
 
     def group_inputs(self, batch: LossInputs, lengths: list[int], b: int, lo: int, hi: int):
         """The padded arrays of rows lo..hi (prompt `b`), or None when none has a loss
@@ -139,7 +130,7 @@ class CompiledLossAndGrad:
         c_eff = max(lengths[lo:hi])
         if c_eff == 0:
             return None
-        rows, c = padded_rows(hi - lo, self.cfg.num_generations), padded(c_eff)
+        rows, c = hi - lo, padded(c_eff)
         p = np.array(batch.prompts[b]).astype(np.int32)
         plen = padded(len(p))
         prompt = np.zeros((1, plen), np.int32)
@@ -183,7 +174,7 @@ class CompiledLossAndGrad:
             arrays = self.group_inputs(batch, lengths, g, lo, hi)
             if arrays is None:
                 continue
-            counts = mx.array([total_rows, total_tokens, batch.max_new_tokens, hi - lo], mx.float32)
+            counts = mx.array([total_rows, total_tokens, batch.max_new_tokens], mx.float32)
             (g_loss, g_m), g_grads = self._step(*arrays, counts)
             loss = loss + g_loss
             metrics = {k: metrics[k] + g_m[k] for k in metrics}

@@ -290,13 +290,11 @@ def objective(
     batch: LossInputs,
     cfg,
     weights: mx.array | None = None,
-    rows_on: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """(loss, metrics) from the policy's log-probs and entropies ([N, C]) of `batch`.
 
-    The counts may be arrays (`mlx_grpo.compiled` passes them so): `weights` is
-    `turn_weights(batch.mask)` when already known, and `rows_on` ([N], 1 on real rows)
-    keeps rows that only pad a batch to a shape out of the sequence-level means.
+    The counts may be arrays (`mlx_grpo.compiled` passes them so); `weights` is
+    `turn_weights(batch.mask)` when already known.
     """
     old = mx.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
@@ -309,8 +307,6 @@ def objective(
     loss = aggregate(tok_loss, mask, *counts)
     if level == "sequence":  # one ratio per completion: means over completions, as TRL's
         rows = mask.shape[0] if batch.total_rows is None else batch.total_rows
-        if rows_on is not None:
-            clipped, ratio = clipped * rows_on[:, None], ratio * rows_on[:, None]
         clip_frac, ratio_mean = clipped.astype(mx.float32).sum() / rows, ratio.sum() / rows
     else:
         clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)

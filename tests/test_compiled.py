@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_f32_close, f32_tolerance, tiny_additions
 from mlx.utils import tree_flatten
 
-from mlx_grpo.compiled import PAD, CompiledLossAndGrad, padded, padded_rows
+from mlx_grpo.compiled import PAD, CompiledLossAndGrad, padded
 from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import LossInputs, grpo_loss, micro_batches
@@ -89,7 +89,7 @@ def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, i
     n = tiny_additions(vars(model.args))
     want, g_want = _update(model, eager, batch)
     # At 60 positions group 2 (prompt 37; rows 33, 5, 5, 5) is cut into runs of 1 and 3
-    # rows; the run of 3 is padded with an empty row.
+    # rows, each compiled in its own shape.
     assert [p.completions.shape[0] for p in micro_batches(batch, 60)] == [4, 4, 1, 3]
     for budget in (None, 60):
         got, g_got = _update(model, compiled, batch, budget)
@@ -125,7 +125,7 @@ def test_compiled_update_fails_when_padding_reaches_the_loss(tiny, monkeypatch):
 
 def test_ten_steps_of_varied_lengths_compile_a_bounded_number_of_shapes(tiny):
     """Ten batches with random prompt and completion lengths: one trace per distinct
-    padded shape (prompt block, completion block, rows), and none when shapes repeat."""
+    padded shape (prompt block, completion block), and none when shapes repeat."""
     model, _ = tiny
     _lora(model)
     g = 4
@@ -142,7 +142,7 @@ def test_ten_steps_of_varied_lengths_compile_a_bounded_number_of_shapes(tiny):
         batches.append(batch)
         eff = effective_lengths(batch.mask)
         for b, p in enumerate(plens):
-            shapes.add((padded(p), padded(max(eff[b * g : (b + 1) * g])), padded_rows(g, g)))
+            shapes.add((padded(p), padded(max(eff[b * g : (b + 1) * g]))))
         _update(model, compiled, batch)
     assert compiled.traces == len(shapes)
     # Prompts under 70 and completions under 60 tokens: at most 3 x 2 shapes, ever.
@@ -152,10 +152,8 @@ def test_ten_steps_of_varied_lengths_compile_a_bounded_number_of_shapes(tiny):
     assert compiled.traces == len(shapes)
 
 
-def test_padding_rules():
+def test_padding_rule():
     assert [padded(n) for n in (1, PAD, PAD + 1)] == [PAD, PAD, 2 * PAD]
-    assert [padded_rows(r, 8) for r in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
-    assert [padded_rows(r, 6) for r in range(1, 7)] == [1, 2, 4, 4, 6, 6]
 
 
 def test_a_compiled_run_trains_like_the_eager_run(tiny_model_dir, tmp_path):
