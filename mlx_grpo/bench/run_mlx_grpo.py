@@ -46,7 +46,9 @@ class FixedOrder:
         self.next = state["next"]
 
 
-def config(steps: int, group: int, max_new_tokens: int, model: str, out_dir: str):
+def config(
+    steps: int, group: int, max_new_tokens: int, model: str, out_dir: str, compile: bool = False
+):
     from mlx_grpo.config import build_config
 
     recipe = str(Path(__file__).parent / "work_unit_recipe")
@@ -72,6 +74,7 @@ def config(steps: int, group: int, max_new_tokens: int, model: str, out_dir: str
                 # The peers update on every group, even those whose rewards are all
                 # equal; mlx-grpo by default skips them. Same work for all here.
                 "skip_zero_variance_groups": False,
+                "compile": compile,
             },
             "optimizer": {
                 "learning_rate": wu.LEARNING_RATE,
@@ -95,6 +98,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=wu.MAX_NEW_TOKENS)
     p.add_argument("--model", default="default")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compile", action="store_true", help="--grpo.compile=true")
     args = p.parse_args(argv)
     clock = wu.StepClock(args.t0 or time.time())
 
@@ -107,7 +111,7 @@ def main(argv=None) -> None:
     from mlx_grpo.trainer import build_optimizer, train
 
     with tempfile.TemporaryDirectory() as out_dir:
-        cfg = config(args.steps, args.group, args.max_new_tokens, args.model, out_dir)
+        cfg = config(args.steps, args.group, args.max_new_tokens, args.model, out_dir, args.compile)
         recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
         model, tokenizer = load_model(cfg.model)
         apply_lora(model, cfg.lora, seed=cfg.train.seed)
