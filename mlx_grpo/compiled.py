@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from mlx_grpo.grpo import LOSS_METRICS, LossInputs, objective, turn_weights
+from mlx_grpo.grpo import LOSS_METRICS, LossInputs, entropy_bonus_on, objective, turn_weights
 from mlx_grpo.logprobs import (
     _head_logprobs,
     _output_head,
@@ -100,7 +100,7 @@ class CompiledLossAndGrad:
         # value_and_grad leaves its (traced) parameters in the model: they go back out.
         self._step = mx.compile(traced, inputs=model.state, outputs=model.state)
 
-    def _loss(self, model, prompt, start, comp, mask, adv, old, ref, weights, counts):
+    def _loss(self, model, prompt, start, comp, mask, adv, old, ref, weights, counts, coef):
         r, c = comp.shape
         cache = [_LeftPadded(start) for _ in model.layers]
         hidden = model.model(prompt, cache=cache)[:, -1:]  # the last prompt token is real
@@ -108,7 +108,8 @@ class CompiledLossAndGrad:
         if c > 1:
             rest = model.model(comp[:, : c - 1], cache=[pc.shared(r) for pc in cache])
             hidden = mx.concatenate([hidden, rest], axis=1)
-        lp, ent = _head_logprobs(self.head, hidden, comp, self.cfg.logits_chunk, self.vocab)
+        chunk, grad = self.cfg.logits_chunk, entropy_bonus_on(self.cfg)
+        lp, ent = _head_logprobs(self.head, hidden, comp, chunk, self.vocab, grad)
         on = mask > 0
         lp, ent = mx.where(on, lp, 0.0), mx.where(on, ent, 0.0)
         batch = LossInputs(
@@ -121,6 +122,7 @@ class CompiledLossAndGrad:
             max_new_tokens=counts[2],
             total_rows=counts[0],
             total_tokens=counts[1],
+            entropy_coef=coef,
         )
         return objective(lp, ent, batch, self.cfg, weights=weights)
 
@@ -175,7 +177,8 @@ class CompiledLossAndGrad:
             if arrays is None:
                 continue
             counts = mx.array([total_rows, total_tokens, batch.max_new_tokens], mx.float32)
-            (g_loss, g_m), g_grads = self._step(*arrays, counts)
+            coef = mx.array(batch.entropy_coef, mx.float32)
+            (g_loss, g_m), g_grads = self._step(*arrays, counts, coef)
             loss = loss + g_loss
             metrics = {k: metrics[k] + g_m[k] for k in metrics}
             grads = g_grads if grads is None else tree_map(mx.add, grads, g_grads)

@@ -108,6 +108,29 @@ class GRPOConfig(_Section):
         description="KL(policy || reference) coefficient, k3 estimator; 0 skips the "
         "reference forward pass.",
     )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of an entropy bonus: the loss subtracts entropy_coef x the "
+        "policy's mean token entropy (the logged `entropy`). 0: no bonus. With "
+        "entropy_target set this is the starting weight, then the controller moves it.",
+    )
+    entropy_target: float | None = Field(
+        None,
+        gt=0,
+        description="Entropy (nats per token) that an adaptive bonus holds the policy at: "
+        "after each update the weight moves by entropy_coef_rate x (target - entropy), "
+        "within [0, entropy_coef_max] (logged as entropy/coef). A policy that grows sure "
+        "of itself samples groups of identical completions, which carry no signal; the "
+        "weight rises while entropy is below the target and falls to 0 above it, so it "
+        "never pays for the drift that a fixed bonus can start. None: a fixed weight.",
+    )
+    entropy_coef_rate: float = Field(
+        0.01, gt=0, description="Change of the adaptive entropy weight per nat of error per step."
+    )
+    entropy_coef_max: float = Field(
+        0.05, gt=0, description="Upper bound of the adaptive entropy weight."
+    )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio.")
     epsilon_high: float | None = Field(
         None,

@@ -41,6 +41,10 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
   ratio per completion, s_i = exp(mean_t log(pi_theta / pi_old)) over its loss tokens,
   clipped as a whole; with num_iterations=1, s_i = 1 and the gradient is the token
   policy gradient weighted by 1 / |o_i|. GSPO's paper clips s_i at 3e-4 / 4e-4.
+- `entropy_coef` (default 0) subtracts entropy_coef * H from the loss, H the mean token
+  entropy of the policy over the loss tokens (the logged `entropy`); with
+  `entropy_target` the weight is a controller's state (`next_entropy_coef`): it rises
+  while H is below the target and falls to 0 above it.
 - `mask_truncated_completions` drops completions that hit the length limit.
 - Log-probs are always those of the untempered model (temperature only shapes
   sampling), as in TRL.
@@ -54,6 +58,7 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -111,6 +116,9 @@ class LossInputs:
     # all ranks (None: this batch is the whole batch).
     total_rows: int | None = None
     total_tokens: float | None = None
+    # The entropy bonus's weight this step (`next_entropy_coef` moves it); an array
+    # under grpo.compile, so that a new value does not trigger a new trace.
+    entropy_coef: float | mx.array = 0.0
 
 
 def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInputs]:
@@ -279,7 +287,12 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
     importance_sampling_level and logits_chunk are read).
     """
     logp, entropy = completion_logprobs(
-        model, batch.prompts, batch.completions, cfg.logits_chunk, mask=batch.mask
+        model,
+        batch.prompts,
+        batch.completions,
+        cfg.logits_chunk,
+        mask=batch.mask,
+        entropy_grad=entropy_bonus_on(cfg),
     )
     return objective(logp, entropy, batch, cfg)
 
@@ -311,11 +324,37 @@ def objective(
     else:
         clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)
         ratio_mean = masked_mean(ratio, mask, tokens)
+    mean_entropy = masked_mean(entropy, mask, tokens)
+    if entropy_bonus_on(cfg):  # the entropies carry a gradient (completion_logprobs)
+        loss = loss - batch.entropy_coef * mean_entropy
     metrics = {
         "loss/policy": aggregate(tok_loss - cfg.beta * kl, mask, *counts),
         "kl": masked_mean(kl, mask, tokens),
         "clip/frac": clip_frac,
         "ratio/mean": ratio_mean,
-        "entropy": masked_mean(entropy, mask, tokens),
+        "entropy": mean_entropy,
     }
     return loss, {k: mx.stop_gradient(v) for k, v in metrics.items()}
+
+
+def entropy_bonus_on(cfg) -> bool:
+    """Whether the loss has an entropy bonus (fixed, or adaptive from any start)."""
+    return cfg.entropy_coef > 0 or cfg.entropy_target is not None
+
+
+def next_entropy_coef(coef: float, entropy: float, cfg) -> float:
+    """The entropy bonus's weight for the next step, after a step whose policy had mean
+    token `entropy`: unchanged without `cfg.entropy_target`, else an integral controller
+    (as SAC tunes its temperature, on the weight itself so that it can reach 0) that
+    moves it by `entropy_coef_rate` per nat below the target, within
+    [0, entropy_coef_max].
+
+    >>> from types import SimpleNamespace as C
+    >>> cfg = C(entropy_target=0.8, entropy_coef_rate=0.01, entropy_coef_max=0.05)
+    >>> round(next_entropy_coef(0.01, 0.3, cfg), 6), next_entropy_coef(0.002, 1.5, cfg)
+    (0.015, 0.0)
+    """
+    if cfg.entropy_target is None or not math.isfinite(entropy):
+        return coef
+    coef += cfg.entropy_coef_rate * (cfg.entropy_target - entropy)
+    return min(max(coef, 0.0), cfg.entropy_coef_max)

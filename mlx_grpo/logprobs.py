@@ -34,8 +34,12 @@ def _output_head(model: nn.Module):
     return None
 
 
-def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(log p(target), entropy) per position from [..., V] logits, in float32.
+def _logprobs_of(
+    logits: mx.array, targets: mx.array, entropy_grad: bool = False
+) -> tuple[mx.array, mx.array]:
+    """(log p(target), entropy) per position from [..., V] logits, in float32. The
+    entropy is a constant of the gradient unless `entropy_grad` (an entropy bonus in the
+    loss): its backward pass is vocabulary-wide work that is otherwise wasted.
 
     One `exp` over the vocabulary serves the normaliser, the entropy and (through the
     saved output of `exp`) the backward pass: on CPUs a vocabulary-wide exp costs more
@@ -48,7 +52,7 @@ def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.arra
     log_total = mx.log(total)
     picked = mx.take_along_axis(shifted, mx.stop_gradient(targets)[..., None], axis=-1)
     entropy = log_total - (e * shifted).sum(axis=-1) / total
-    return picked.squeeze(-1) - log_total, mx.stop_gradient(entropy)
+    return picked.squeeze(-1) - log_total, entropy if entropy_grad else mx.stop_gradient(entropy)
 
 
 class _PrefixCache:
@@ -129,7 +133,9 @@ def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list
     return out[::-1]
 
 
-def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, vocab, mask=None):
+def _group_logprobs(
+    model, head, prompt, completions, lengths, chunk_floats, vocab, mask=None, entropy_grad=False
+):
     """(log-probs, entropies) [G, C] of one group's completions.
 
     The prompt runs once ([1, P]); its keys and values are shared (broadcast) by the
@@ -154,9 +160,11 @@ def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, voc
             first = mx.concatenate([first, h], axis=1)
         on = None if mask is None else mask[bucket, :cb]
         if on is not None and on.mean() < SPARSE_HEAD_SHARE:
-            lp, ent = _head_logprobs_at(head, first, tokens[:, :cb], on, chunk_floats, vocab)
+            lp, ent = _head_logprobs_at(
+                head, first, tokens[:, :cb], on, chunk_floats, vocab, entropy_grad
+            )
         else:
-            lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab)
+            lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab, entropy_grad)
         if cb < c:
             lp, ent = mx.pad(lp, [(0, 0), (0, c - cb)]), mx.pad(ent, [(0, 0), (0, c - cb)])
         parts.append((lp, ent))
@@ -173,13 +181,13 @@ def _group_logprobs(model, head, prompt, completions, lengths, chunk_floats, voc
     return lp, ent
 
 
-def _head_logprobs(head, hidden, targets, chunk_floats, vocab):
+def _head_logprobs(head, hidden, targets, chunk_floats, vocab, entropy_grad=False):
     """Log-probs and entropies from hidden states, in row chunks of at most
     `chunk_floats` logits that are recomputed in the backward pass (mx.checkpoint)."""
     n, c = targets.shape
 
     def chunk(h, y):
-        return _logprobs_of(head(h), y)
+        return _logprobs_of(head(h), y, entropy_grad)
 
     rows = max(1, chunk_floats // max(1, c * vocab))
     if rows >= n:
@@ -198,7 +206,7 @@ def _head_logprobs(head, hidden, targets, chunk_floats, vocab):
 SPARSE_HEAD_SHARE = 0.5
 
 
-def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab):
+def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, entropy_grad=False):
     """_head_logprobs at the positions where `on` ([n, c] numpy bool) is set, 0 elsewhere:
     the hidden states there are gathered into one [M, 1] batch, and the results are
     gathered back (the backward pass scatters their gradients to the same positions)."""
@@ -209,7 +217,8 @@ def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab):
         return mx.zeros((n, c)), mx.zeros((n, c))
     pick = mx.array(flat)
     h = hidden.reshape(n * c, -1)[pick][:, None]
-    lp, ent = _head_logprobs(head, h, targets.reshape(-1)[pick][:, None], chunk_floats, vocab)
+    y = targets.reshape(-1)[pick][:, None]
+    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, entropy_grad)
     back = np.full(n * c, m)  # off-mask positions read the trailing 0
     back[flat] = np.arange(m)
     back = mx.array(back)
@@ -235,6 +244,7 @@ def completion_logprobs(
     chunk_floats: int = 1 << 24,
     lengths: list[int] | None = None,
     mask: mx.array | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Log-probs and entropies of the completion tokens, [N, C] each.
 
@@ -248,7 +258,8 @@ def completion_logprobs(
     logits that are recomputed in the backward pass (mx.checkpoint). With `mask` ([N, C],
     the loss mask), the lengths come from it and, where the mask is sparse (the
     environment's tokens of a multi-turn episode), logits are computed only at its
-    positions; log-probs and entropies off the mask are then 0.
+    positions; log-probs and entropies off the mask are then 0. The entropies carry a
+    gradient only with `entropy_grad`.
     """
     n, c = completions.shape
     g = n // len(prompts)
@@ -256,7 +267,7 @@ def completion_logprobs(
         raise ValueError(f"{n} completions do not split into {len(prompts)} groups")
 
     if not _splittable(model):  # any other architecture: full sequences, full logits
-        return _full_sequence_logprobs(model, prompts, completions, g)
+        return _full_sequence_logprobs(model, prompts, completions, g, entropy_grad)
 
     head = _output_head(model)
     on = None if mask is None else np.array(mask) > 0
@@ -274,6 +285,7 @@ def completion_logprobs(
             chunk_floats,
             vocab,
             None if on is None else on[b * g : (b + 1) * g],
+            entropy_grad,
         )
         for b, p in enumerate(prompts)
     ]
@@ -285,7 +297,7 @@ def completion_logprobs(
     )
 
 
-def _full_sequence_logprobs(model, prompts, completions, g):
+def _full_sequence_logprobs(model, prompts, completions, g, entropy_grad=False):
     n, c = completions.shape
     rows = [mx.concatenate([prompts[i // g], completions[i]]) for i in range(n)]
     t = max(r.shape[0] for r in rows)
@@ -293,7 +305,7 @@ def _full_sequence_logprobs(model, prompts, completions, g):
     starts = mx.array([prompts[i // g].shape[0] - 1 for i in range(n)])
     pos = starts[:, None] + mx.arange(c)[None, :]
     logits = mx.take_along_axis(model(tokens), pos[..., None], axis=1)
-    return _logprobs_of(logits, completions)
+    return _logprobs_of(logits, completions, entropy_grad)
 
 
 def _vocab_size(model: nn.Module, head, completions: mx.array) -> int:

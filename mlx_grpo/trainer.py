@@ -31,9 +31,11 @@ from mlx_grpo.durable import FULL_DISK, cut_jsonl
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
+    entropy_bonus_on,
     group_advantages,
     grpo_loss,
     micro_batches,
+    next_entropy_coef,
     zero_variance_groups,
 )
 from mlx_grpo.log import JsonlWriter
@@ -146,6 +148,7 @@ class Counters:
     # What the guards compare each step with: the values of the steps that updated.
     history: dict[str, list[float]] = field(default_factory=dict)
     guard_streak: dict[str, int] = field(default_factory=dict)
+    entropy_coef: float | None = None  # the adaptive entropy bonus's weight (None: not begun)
 
 
 @dataclass
@@ -306,6 +309,9 @@ def train(
             train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
+            if counters.entropy_coef is None:
+                counters.entropy_coef = cfg.grpo.entropy_coef
+            entropy_coef = counters.entropy_coef
             if train_groups:  # the same on every rank: all of them join the update
                 local = [i - mine.start for i in train_groups if i in mine]
                 batch = None
@@ -317,11 +323,15 @@ def train(
                         cfg.grpo.mask_truncated_completions,
                         local,
                     )
+                    batch.entropy_coef = entropy_coef
                 it_metrics, delta, sync_s = update_step(
                     model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
                     len(train_groups) * g,
                 )  # fmt: skip
             update_s = time.perf_counter() - tic
+            if it_metrics:
+                entropy = it_metrics[-1]["entropy"]
+                counters.entropy_coef = next_entropy_coef(entropy_coef, entropy, cfg.grpo)
 
             budget = cfg.train.token_budget
             last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
@@ -331,6 +341,8 @@ def train(
                 counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
+            if entropy_bonus_on(cfg.grpo):
+                metrics["entropy/coef"] = entropy_coef  # the weight this step's update used
             if cfg.grpo.compile:
                 metrics["compile/traces"] = loss_and_grad.traces
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
@@ -697,6 +709,11 @@ def _guards(step: int, metrics: dict, counters: Counters, cfg: RunConfig, say) -
 
 
 def _guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
+    if key == "entropy" and entropy_bonus_on(cfg.grpo):
+        return (
+            "the loss pays for entropy (grpo.entropy_coef / entropy_target): lower "
+            "--grpo.entropy_target or --grpo.entropy_coef_max, or turn the bonus off"
+        )
     levels = hist.get("curriculum/max_level", [])
     if len(levels) > 5 and levels[-1] > levels[-6]:
         return (

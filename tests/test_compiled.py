@@ -54,21 +54,22 @@ def _update(model, grad_fn, batch, max_positions=None):
 
 
 @pytest.mark.parametrize(
-    "loss_type, level, beta, iterations",
+    "loss_type, level, beta, iterations, bonus",
     [
-        ("dapo", "token", 0.04, 1),
-        ("grpo", "token", 0.0, 2),
-        ("dr_grpo", "token", 0.04, 2),
-        ("turn", "token", 0.04, 1),
-        ("grpo", "sequence", 0.04, 2),
-        ("turn", "sequence", 0.0, 1),
+        ("dapo", "token", 0.04, 1, 0.0),
+        ("grpo", "token", 0.0, 2, 0.0),
+        ("dr_grpo", "token", 0.04, 2, 0.0),
+        ("turn", "token", 0.04, 1, 0.0),
+        ("turn", "token", 0.04, 1, 0.3),
+        ("grpo", "sequence", 0.04, 2, 0.0),
+        ("turn", "sequence", 0.0, 1, 0.0),
     ],
 )
-def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, iterations):
+def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, iterations, bonus):
     """Prompts of three lengths (one a multiple of 32, so unpadded), completions of
     several lengths (past 32, so two blocks), a group on the eager sparse head, and a
     micro-batch budget that cuts a group into runs of rows: loss, every metric and every
-    gradient agree with the eager update."""
+    gradient agree with the eager update (with an entropy bonus too)."""
     model, _ = tiny
     _lora(model)
     g, c = 4, 40
@@ -81,7 +82,9 @@ def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, i
         loss_type=loss_type,
         epsilon_high=0.28,
         importance_sampling_level=level,
+        entropy_coef=bonus,
     )
+    batch.entropy_coef = bonus
     if iterations == 1:
         batch.old_logprobs = None
     eager = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import assert_f32_close, tiny_additions
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.grpo import (
@@ -16,6 +16,7 @@ from mlx_grpo.grpo import (
     group_advantages,
     grpo_loss,
     micro_batches,
+    next_entropy_coef,
     per_token_loss,
     zero_variance_groups,
 )
@@ -507,3 +508,79 @@ def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch)
         assert_f32_close(a, b, n, what)
     for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
         assert_f32_close(a, b, n, k)
+
+
+# ---------------------------------------------------------------- entropy bonus
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_entropy_bonus_adds_the_gradient_of_the_mean_token_entropy(tiny, sparse):
+    """loss(coef) = loss(0) - coef * H, H the masked mean token entropy computed from
+    the model's full logits with MLX's own softmax: values and gradients. `sparse`
+    masks most positions, so the head runs only at the masked ones."""
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=8)
+    _randomize_lora_b(model)
+    prompts, comp, lens = _groups(seed=8)
+    n, c = comp.shape
+    on = np.arange(c)[None] < lens[:, None]
+    if sparse:
+        on &= (np.arange(c)[None] + np.arange(n)[:, None]) % 3 == 0
+        on[:, 0] = True
+        assert on.mean() < SPARSE_HEAD_SHARE
+    mask = mx.array(on.astype(np.float32))
+    adv = mx.array(np.random.default_rng(8).normal(size=n).astype(np.float32))
+    coef = 0.5
+
+    def loss(m, cfg):
+        batch = LossInputs(prompts, comp, mask, adv, None, None, c, entropy_coef=coef)
+        return grpo_loss(m, batch, cfg)[0]
+
+    def mean_entropy(m):
+        g = n // len(prompts)
+        rows = [mx.concatenate([prompts[i // g], comp[i]]) for i in range(n)]
+        ents = []
+        for i, row in enumerate(rows):
+            p = prompts[i // g].shape[0]
+            logits = m(row[None])[0, p - 1 : p - 1 + c].astype(mx.float32)
+            ents.append(
+                -(
+                    mx.softmax(logits, axis=-1)
+                    * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+                ).sum(-1)
+            )
+        return (mx.stack(ents) * mask).sum() / mask.sum()
+
+    off_v, off_g = nn.value_and_grad(model, lambda m: loss(m, GRPOConfig(beta=0.0)))(model)
+    on_cfg = GRPOConfig(beta=0.0, entropy_coef=coef)
+    on_v, on_g = nn.value_and_grad(model, lambda m: loss(m, on_cfg))(model)
+    h_v, h_g = nn.value_and_grad(model, mean_entropy)(model)
+    k = tiny_additions(vars(model.args))
+    assert_f32_close(on_v, off_v - coef * h_v, k, "value")
+    want = tree_flatten(tree_map(lambda a, b: a - coef * b, off_g, h_g))
+    for (name, a), (_, b) in zip(tree_flatten(on_g), want):
+        assert_f32_close(a, b, k, name)
+    # The bonus moves the gradient by more than rounding: without it the test fails.
+    moved = sum(
+        mx.sum((a - b) ** 2).item()
+        for (_, a), (_, b) in zip(tree_flatten(on_g), tree_flatten(off_g))
+    )
+    assert moved**0.5 > 1e-3 * sum(mx.sum(a**2).item() for _, a in tree_flatten(on_g)) ** 0.5
+
+
+def test_entropy_controller_moves_the_weight_toward_the_target_within_bounds():
+    cfg = GRPOConfig(entropy_coef=0.01, entropy_target=0.8, entropy_coef_rate=0.02)
+    assert next_entropy_coef(0.01, 0.3, cfg) == pytest.approx(0.01 + 0.02 * 0.5)  # up
+    assert next_entropy_coef(0.01, 1.3, cfg) == pytest.approx(0.0)  # down, not below 0
+    assert next_entropy_coef(0.01, 1.0, cfg) == pytest.approx(0.01 - 0.02 * 0.2)
+    assert next_entropy_coef(0.049, 0.0, cfg) == cfg.entropy_coef_max  # capped
+    assert next_entropy_coef(0.01, 0.8, cfg) == 0.01  # on target: stays
+    assert next_entropy_coef(0.01, float("nan"), cfg) == 0.01  # a skipped update: stays
+    fixed = GRPOConfig(entropy_coef=0.01)
+    assert next_entropy_coef(0.01, 0.0, fixed) == 0.01  # no target: a fixed weight
+    # Driven by a policy whose entropy answers the weight, it settles at the target.
+    coef, entropy = 0.0, 0.2
+    for _ in range(400):
+        coef = next_entropy_coef(coef, entropy, cfg)
+        entropy = 0.2 + 30 * coef
+    assert entropy == pytest.approx(0.8, abs=0.01)

@@ -612,3 +612,36 @@ def test_guards_warn_when_entropy_stays_above_twice_its_recent_median():
     )
     # Checkpointed with the run: the history survives a resume.
     assert Counters(**json.loads(json.dumps(counters.__dict__))).history == counters.history
+
+
+def test_adaptive_entropy_weight_is_logged_follows_the_controller_and_resumes(
+    tiny_model_dir, tmp_path
+):
+    """entropy/coef starts at grpo.entropy_coef, then moves by rate x (target - the
+    entropy of the step that updated); a run resumed from step 3 carries it on to the
+    same metrics and adapters as the uninterrupted run."""
+    import shutil
+
+    from mlx_grpo.config import GRPOConfig
+    from mlx_grpo.grpo import next_entropy_coef
+
+    bonus = ["--grpo.entropy_coef=0.01", "--grpo.entropy_target=9.0"]
+    bonus += ["--grpo.entropy_coef_rate=0.002", "--output.save_every=1", "--output.keep_last=9"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "a", *bonus)) == 0
+    rows = _metrics(tmp_path / "a")
+    cfg = GRPOConfig(entropy_coef=0.01, entropy_target=9.0, entropy_coef_rate=0.002)
+    coef = 0.01
+    for r in rows:
+        assert r["entropy/coef"] == pytest.approx(coef, abs=1e-9)
+        if r["groups/trained"]:
+            coef = next_entropy_coef(coef, r["entropy"], cfg)
+    # The tiny model's entropy (under ln 259 = 5.6 nats) stays below the target: it rises.
+    assert rows[-1]["entropy/coef"] > rows[0]["entropy/coef"] == 0.01
+
+    b = tmp_path / "b"
+    shutil.copytree(tmp_path / "a", b)
+    for late in ("step-000004", "step-000005", "step-000006"):
+        shutil.rmtree(b / late)
+    (b / "latest").write_text(json.dumps({"step_dir": "step-000003", "step": 3}))
+    assert cmd_train(["--resume", str(b)]) == 0
+    _same_run(tmp_path / "a", b)
