@@ -31,7 +31,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from mlx_grpo.grpo import LOSS_METRICS, LossInputs, entropy_bonus_on, objective, turn_weights
+from mlx_grpo.grpo import (
+    LOSS_METRICS,
+    LossInputs,
+    entropy_bonus_on,
+    entropy_weight,
+    objective,
+    turn_weights,
+)
 from mlx_grpo.logprobs import (
     _head_logprobs,
     _output_head,
@@ -177,7 +184,7 @@ class CompiledLossAndGrad:
             if arrays is None:
                 continue
             counts = mx.array([total_rows, total_tokens, batch.max_new_tokens], mx.float32)
-            coef = mx.array(batch.entropy_coef, mx.float32)
+            coef = mx.array(entropy_weight(batch, self.cfg), mx.float32)
             (g_loss, g_m), g_grads = self._step(*arrays, counts, coef)
             loss = loss + g_loss
             metrics = {k: metrics[k] + g_m[k] for k in metrics}

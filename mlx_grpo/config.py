@@ -195,8 +195,8 @@ class GRPOConfig(_Section):
     compile: bool = Field(
         False,
         description="Run the update's loss and gradient under mx.compile "
-        "(mlx_grpo/compiled.py): one group per call, prompts and completions padded to multiples of 32 tokens so "
-        "that shapes repeat (the count is logged as compile/traces). Fewer, fused kernels; "
+        "(mlx_grpo/compiled.py): one group per call, prompts and completions padded to "
+        "multiples of 32 tokens so that shapes repeat (the count is logged as compile/traces). Fewer, fused kernels; "
         "each new shape costs a compilation.",
     )
 

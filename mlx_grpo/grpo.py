@@ -116,9 +116,10 @@ class LossInputs:
     # all ranks (None: this batch is the whole batch).
     total_rows: int | None = None
     total_tokens: float | None = None
-    # The entropy bonus's weight this step (`next_entropy_coef` moves it); an array
-    # under grpo.compile, so that a new value does not trigger a new trace.
-    entropy_coef: float | mx.array = 0.0
+    # The entropy bonus's weight this step (`next_entropy_coef` moves it; None: the
+    # config's `entropy_coef`); an array under grpo.compile, so that a new value does
+    # not trigger a new trace.
+    entropy_coef: float | mx.array | None = None
 
 
 def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInputs]:
@@ -292,7 +293,8 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
         batch.completions,
         cfg.logits_chunk,
         mask=batch.mask,
-        entropy_grad=entropy_bonus_on(cfg),
+        # At weight 0 (the controller above its target) the entropy's backward is waste.
+        entropy_grad=entropy_bonus_on(cfg) and entropy_weight(batch, cfg) != 0,
     )
     return objective(logp, entropy, batch, cfg)
 
@@ -326,7 +328,7 @@ def objective(
         ratio_mean = masked_mean(ratio, mask, tokens)
     mean_entropy = masked_mean(entropy, mask, tokens)
     if entropy_bonus_on(cfg):  # the entropies carry a gradient (completion_logprobs)
-        loss = loss - batch.entropy_coef * mean_entropy
+        loss = loss - entropy_weight(batch, cfg) * mean_entropy
     metrics = {
         "loss/policy": aggregate(tok_loss - cfg.beta * kl, mask, *counts),
         "kl": masked_mean(kl, mask, tokens),
@@ -340,6 +342,11 @@ def objective(
 def entropy_bonus_on(cfg) -> bool:
     """Whether the loss has an entropy bonus (fixed, or adaptive from any start)."""
     return cfg.entropy_coef > 0 or cfg.entropy_target is not None
+
+
+def entropy_weight(batch: LossInputs, cfg) -> float | mx.array:
+    """The entropy bonus's weight for `batch`: its own, else the config's."""
+    return cfg.entropy_coef if batch.entropy_coef is None else batch.entropy_coef
 
 
 def next_entropy_coef(coef: float, entropy: float, cfg) -> float:

@@ -243,6 +243,8 @@ def train(
     run = RunFolder(run_dir)
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
     start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum, say)
+    if counters.entropy_coef is None:  # a new run, or one from before the option
+        counters.entropy_coef = cfg.grpo.entropy_coef
     trackers = Trackers(run_dir, cfg.output.report_to if main else [], cfg.model_dump())
     if trackers.names:
         info(f"report_to: {trackers.where()}")
@@ -309,8 +311,6 @@ def train(
             train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
-            if counters.entropy_coef is None:
-                counters.entropy_coef = cfg.grpo.entropy_coef
             entropy_coef = counters.entropy_coef
             if train_groups:  # the same on every rank: all of them join the update
                 local = [i - mine.start for i in train_groups if i in mine]
