@@ -176,6 +176,14 @@ class GRPOConfig(_Section):
         "advantages are 0, so they add only the KL term. False trains on every group, as "
         "TRL and mlx-lm-lora do (the benchmark compares like for like this way).",
     )
+    guidance: bool = Field(
+        False,
+        description="Off-policy guidance (LUFFY): in a group whose G rewards are all "
+        "equal, the recipe's demonstration (`demonstrate(task)` in its tasks.py) takes "
+        "the last sample's place when it scores higher, so the group carries a signal. "
+        "Only the update sees it: reward metrics, the curriculum and the samples log "
+        "stay on-policy; guidance/groups counts the groups it filled.",
+    )
     logits_chunk: int = Field(
         1 << 24,
         ge=1 << 16,

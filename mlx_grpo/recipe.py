@@ -145,6 +145,12 @@ class Recipe:
     def make_env(self, task: Task):
         return self.module.make_env(task)
 
+    def demonstrate(self, task: Task) -> list[str] | None:
+        """The recipe's own replies for `task` (one per turn; `demonstrate(task)` in its
+        tasks.py), or None when it has none."""
+        fn = getattr(self.module, "demonstrate", None)
+        return list(fn(task)) if callable(fn) else None
+
     def first_messages(self, task: Task, env=None) -> list[dict]:
         """The prompt's messages: the task's, then (multi-turn) the env's first observation."""
         if env is None:

@@ -427,33 +427,16 @@ def play_episodes(
             )
             still = []
             for i, (toks, reason, cache) in zip(live, sampled):
-                stopped = reason == "stop"
-                text = tokenizer.decode(toks[:-1] if stopped else toks)
-                tic_env = time.perf_counter()
-                result = envs[i].step(text)
-                env_s += time.perf_counter() - tic_env
-                ep = episodes[i]
-                ep.actions.append(text)
-                ep.results.append(result)
-                history[i] += toks
-                mask[i] += [1] * len(toks)
-                reasons[i] = reason
                 state[i] = None  # free finished episodes' caches as we go
-                extra = None
-                if result.done:
-                    ep.done = True
-                elif turn + 1 == cfg.max_turns:
-                    reasons[i] = "length"
-                else:
-                    extra = template.tokens(result.observation, toks, stopped)
-                    total = len(prompts[owners[i]]) + len(history[i]) + len(extra)
-                    if total >= cfg.max_episode_tokens:
-                        reasons[i], extra = "length", None
+                text = tokenizer.decode(toks[:-1] if reason == "stop" else toks)
+                extra, reasons[i], seconds = take_turn(
+                    episodes[i], text, toks, reason, turn, len(prompts[owners[i]]),
+                    history[i], mask[i], template, cfg,
+                )  # fmt: skip
+                env_s += seconds
                 if extra is None:
                     close_env(envs[i])
                     continue
-                history[i] += extra
-                mask[i] += [0] * len(extra)
                 tails[i], state[i] = extra, cache
                 still.append(i)
             live = still
@@ -482,6 +465,42 @@ def play_episodes(
         prefill_seconds=prefill_s,
         env_seconds=env_s,
     )
+
+
+def take_turn(
+    episode: Episode,
+    text: str,
+    toks: list[int],
+    reason: str,
+    turn: int,
+    prompt_len: int,
+    history: list[int],
+    mask: list[int],
+    template: TurnTemplate,
+    cfg: RolloutConfig,
+) -> tuple[list[int] | None, str, float]:
+    """Play one reply (`text`, sampled as `toks`) in `episode.env` and extend the
+    episode's tokens: the reply's (in the loss), then the environment's answer (not).
+    Returns the answer's tokens, or None when the episode is over (done, out of turns
+    or of `max_episode_tokens`), the finish reason so far, and the seconds in env.step."""
+    tic = time.perf_counter()
+    result = episode.env.step(text)
+    seconds = time.perf_counter() - tic
+    episode.actions.append(text)
+    episode.results.append(result)
+    history += toks
+    mask += [1] * len(toks)
+    if result.done:
+        episode.done = True
+        return None, reason, seconds
+    if turn + 1 == cfg.max_turns:
+        return None, "length", seconds
+    extra = template.tokens(result.observation, toks, reason == "stop")
+    if prompt_len + len(history) + len(extra) >= cfg.max_episode_tokens:
+        return None, "length", seconds
+    history += extra
+    mask += [0] * len(extra)
+    return extra, reason, seconds
 
 
 def close_env(env) -> None:

@@ -38,6 +38,7 @@ from mlx_grpo.grpo import (
     next_entropy_coef,
     zero_variance_groups,
 )
+from mlx_grpo.guidance import guide_groups
 from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled
@@ -291,8 +292,16 @@ def train(
             sample_step = bool(
                 cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
             )
+            share = _share_record(rollout, scored, with_text=sample_step)
+            if cfg.grpo.guidance:  # after the on-policy record: only the update sees it
+                share["guided"] = [
+                    (mine.start * g + row, reward)
+                    for row, reward in guide_groups(
+                        recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout
+                    )
+                ]
             tic = time.perf_counter()
-            shares = dist.gather(_share_record(rollout, scored, with_text=sample_step))
+            shares = dist.gather(share)
             gather_s = time.perf_counter() - tic
             records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
             rewards = np.array([r.reward for r in records], dtype=np.float32)
@@ -303,12 +312,18 @@ def train(
             counters.reward_errors += len(errors)
             counters.rollout_tokens += sum(sh["tokens"] for sh in shares)
 
-            # Advantages; the curriculum hears the rewards; the groups with signal train.
-            r_mx = mx.array(rewards)
-            advantages = group_advantages(r_mx, g, cfg.grpo.scale_rewards)
-            zero_var = np.array(zero_variance_groups(r_mx, g))
+            # Advantages; the curriculum hears the rewards; the groups with signal train
+            # (with guidance, the update's rewards have the demonstrations in).
+            guided = [(row, r) for sh in shares for row, r in sh.get("guided", ())]
+            update_rewards = rewards.copy()
+            for row, r in guided:
+                update_rewards[row] = r
+            advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
+            zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
             curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-            train_groups = _groups_to_train(zero_var, b, cfg.grpo.skip_zero_variance_groups)
+            train_groups = _groups_to_train(
+                zero_var, b, cfg.grpo.skip_zero_variance_groups, [row // g for row, _ in guided]
+            )
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
             entropy_coef = counters.entropy_coef
@@ -341,6 +356,8 @@ def train(
                 counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
+            if cfg.grpo.guidance:
+                metrics["guidance/groups"] = len(guided)
             if entropy_bonus_on(cfg.grpo):
                 metrics["entropy/coef"] = entropy_coef  # the weight this step's update used
             if cfg.grpo.compile:
@@ -348,7 +365,7 @@ def train(
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
             _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
-            if not zero_var.all():
+            if it_metrics:
                 _guards(step, metrics, counters, cfg, say)
             if main:
                 metrics_log.write(metrics)
@@ -408,21 +425,26 @@ def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum
     return st.step, Counters(**st.counters)
 
 
-def _groups_to_train(zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool) -> list:
-    """Indices of the groups the update uses: those with reward variance first (groups
-    whose rewards are all equal carry no policy gradient, so they are left out of the
-    loss and its divisors unless `skip_zero_variance` is off), at most `batch_size`
-    (`filter` rolls out more groups than it trains).
+def _groups_to_train(
+    zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool, guided: list[int] = ()
+) -> list:
+    """Indices of the groups the update uses: those with reward variance first, then the
+    `guided` ones (zero-variance groups given a demonstration), then, unless
+    `skip_zero_variance`, the other groups whose rewards are all equal (they carry no
+    policy gradient, so by default they are left out of the loss and its divisors); at
+    most `batch_size` (`filter` rolls out more groups than it trains).
 
     >>> _groups_to_train(np.array([True, False, False, True]), 1, True)
     [1]
     >>> _groups_to_train(np.array([True, False, False, True]), 3, False)
     [0, 1, 2]
+    >>> _groups_to_train(np.array([True, False, True, True]), 2, True, [3])
+    [1, 3]
     """
     n = len(zero_var)
-    keep = [i for i in range(n) if not zero_var[i]]
+    keep = [i for i in range(n) if not zero_var[i]] + list(guided)
     if not skip_zero_variance:
-        keep += [i for i in range(n) if zero_var[i]]
+        keep += [i for i in range(n) if zero_var[i] and i not in guided]
     return sorted(keep[:batch_size])
 
 

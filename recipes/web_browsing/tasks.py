@@ -114,6 +114,11 @@ def make_env(task: Task) -> WebEnv:
     return WebEnv(p["site"], p["goal"], p["conditions"], p["max_steps"], p["keep"])
 
 
+def demonstrate(task: Task) -> list[str]:
+    """The shortest solution, one action a turn (what grpo.guidance shows the policy)."""
+    return task.payload["solution"]
+
+
 def reward(task: Task, episode) -> dict[str, float]:
     """The shared web components (rewards/web.py), judging format by this grammar."""
     return components(task, episode, syntax_error)

@@ -37,3 +37,8 @@ def make_env(task):
 def reward(task, episode: Episode):
     short = sum(len(a) < 4 for a in episode.actions) / max(episode.turns, 1)
     return {"finished": float(episode.done), "short": short}
+
+
+def demonstrate(task):
+    """The best episode: one short reply a turn."""
+    return ["ok"] * task.payload["turns"]

@@ -1,0 +1,89 @@
+"""Off-policy guidance (LUFFY, Yan et al. 2025): a demonstration where a group has no signal.
+
+A group whose G samples all score the same (all failed, mostly, on a level the policy
+cannot yet solve) gives GRPO no gradient. With `grpo.guidance`, the recipe's own
+replies for the task (`demonstrate(task)` in its tasks.py: a scripted solution) are
+played through the same environment and chat template as a sampled episode, scored by
+the same reward, and put in place of the group's last sample when they score higher.
+The group then has one high reward among G: the demonstration's tokens get a positive
+advantage, the failed samples a negative one. Its old log-probs are the policy's own
+(as for every sample with num_iterations = 1), so its ratio starts at 1 and the clipped
+surrogate is a policy-gradient step toward the demonstration, weighted by its advantage.
+"""
+
+from __future__ import annotations
+
+from mlx_grpo.config import RolloutConfig
+from mlx_grpo.env import Episode
+from mlx_grpo.recipe import Recipe, Scored, Task
+from mlx_grpo.rollout import Completion, Rollout, TurnTemplate, close_env, encode_prompt, take_turn
+
+
+def demonstration(
+    recipe: Recipe, tokenizer, task: Task, index: int, prompt: list[int], cfg: RolloutConfig
+) -> Completion | None:
+    """The recipe's replies for `task` as a Completion of prompt `index`, token for token
+    what sampling those replies would have produced (each reply ends with EOS), or None
+    when the recipe has none or a reply is longer than `rollout.max_new_tokens`."""
+    replies = recipe.demonstrate(task)
+    if not replies:
+        return None
+    eos = tokenizer.eos_token_id
+    sampled = [tokenizer.encode(r, add_special_tokens=False) + [eos] for r in replies]
+    if any(len(t) > cfg.max_new_tokens for t in sampled):
+        return None
+    if not recipe.multi_turn:
+        return Completion(index, sampled[0], replies[0], "stop")
+    env = recipe.make_env(task)
+    try:
+        first = encode_prompt(tokenizer, recipe.first_messages(task, env), cfg.max_prompt_tokens)
+        if first != prompt:
+            raise ValueError(f"recipe {recipe.name}: env.reset() differs between runs of {task.id}")
+        episode, history, mask = Episode(env=env), [], []
+        template, reason = TurnTemplate(tokenizer), "stop"
+        for turn, (text, toks) in enumerate(zip(replies, sampled)):
+            extra, reason, _ = take_turn(
+                episode, text, toks, "stop", turn, len(prompt), history, mask, template, cfg
+            )
+            if extra is None:
+                break
+        else:
+            reason = "length"  # the replies ran out before the episode ended
+    finally:
+        close_env(env)
+    finish = "stop" if episode.done else reason
+    return Completion(index, history, episode.text, finish, loss_mask=mask, episode=episode)
+
+
+def guide_groups(
+    recipe: Recipe,
+    tokenizer,
+    tasks: list[Task],
+    rollout: Rollout,
+    scored: list[Scored],
+    cfg: RolloutConfig,
+) -> list[tuple[int, float]]:
+    """Put each zero-variance group's demonstration in place of its last sample when
+    the demonstration scores higher, in `rollout` and `scored`. Returns the (row,
+    reward) of every replaced sample."""
+    g = rollout.group_size
+    picks = []
+    for i, task in enumerate(tasks):
+        rewards = [s.reward for s in scored[i * g : (i + 1) * g]]
+        if max(rewards) - min(rewards) > 1e-8:
+            continue
+        demo = demonstration(recipe, tokenizer, task, i, rollout.prompts[i], cfg)
+        if demo is not None:
+            picks.append((i, demo, rewards[0]))
+    if not picks:
+        return []
+    judged = recipe.score_groups(
+        [tasks[i] for i, _, _ in picks], [[d.episode or d.text] for _, d, _ in picks]
+    )
+    replaced = []
+    for (i, demo, group_reward), [score] in zip(picks, judged):
+        if score.reward > group_reward + 1e-6:
+            row = i * g + g - 1
+            rollout.completions[row], scored[row] = demo, score
+            replaced.append((row, score.reward))
+    return replaced
