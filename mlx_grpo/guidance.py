@@ -22,33 +22,50 @@ from mlx_grpo.rollout import Completion, Rollout, TurnTemplate, close_env, encod
 def demonstration(
     recipe: Recipe, tokenizer, task: Task, index: int, prompt: list[int], cfg: RolloutConfig
 ) -> Completion | None:
-    """The recipe's replies for `task` as a Completion of prompt `index`, token for token
-    what sampling those replies would have produced (each reply ends with EOS), or None
-    when the recipe has none or a reply is longer than `rollout.max_new_tokens`."""
-    replies = recipe.demonstrate(task)
-    if not replies:
+    """The recipe's demonstration of `task` as a Completion of prompt `index`, token for
+    token what sampling its replies would have produced (each reply ends with EOS), or
+    None when the recipe has none or a reply is longer than `rollout.max_new_tokens`.
+
+    `recipe.demonstrate(task)` gives the replies in advance (a list, one per turn) or
+    a policy `reply(env, observation) -> str | None` asked at each turn (a scripted
+    agent that reads the page; None: it has nothing to do)."""
+    plan = recipe.demonstrate(task)
+    if plan is None:
         return None
+    if not callable(plan):
+        replies = iter(plan)
+        plan = lambda env, observation: next(replies, None)  # noqa: E731
     eos = tokenizer.eos_token_id
-    sampled = [tokenizer.encode(r, add_special_tokens=False) + [eos] for r in replies]
-    if any(len(t) > cfg.max_new_tokens for t in sampled):
-        return None
+
+    def encode(reply: str) -> list[int] | None:
+        toks = tokenizer.encode(reply, add_special_tokens=False) + [eos]
+        return toks if len(toks) <= cfg.max_new_tokens else None
+
     if not recipe.multi_turn:
-        return Completion(index, sampled[0], replies[0], "stop")
+        reply = plan(None, task.messages[-1]["content"])
+        toks = None if reply is None else encode(reply)
+        return None if toks is None else Completion(index, toks, reply, "stop")
     env = recipe.make_env(task)
     try:
-        first = encode_prompt(tokenizer, recipe.first_messages(task, env), cfg.max_prompt_tokens)
-        if first != prompt:
+        first = recipe.first_messages(task, env)
+        if encode_prompt(tokenizer, first, cfg.max_prompt_tokens) != prompt:
             raise ValueError(f"recipe {recipe.name}: env.reset() differs between runs of {task.id}")
         episode, history, mask = Episode(env=env), [], []
-        template, reason = TurnTemplate(tokenizer), "stop"
-        for turn, (text, toks) in enumerate(zip(replies, sampled)):
+        template, reason, observation = TurnTemplate(tokenizer), "length", first[-1]["content"]
+        for turn in range(cfg.max_turns):
+            reply = plan(env, observation)
+            if reply is None:  # the demonstration gave up before the episode ended
+                reason = "length"
+                break
+            toks = encode(reply)
+            if toks is None:
+                return None
             extra, reason, _ = take_turn(
-                episode, text, toks, "stop", turn, len(prompt), history, mask, template, cfg
+                episode, reply, toks, "stop", turn, len(prompt), history, mask, template, cfg
             )
             if extra is None:
                 break
-        else:
-            reason = "length"  # the replies ran out before the episode ended
+            observation = episode.results[-1].observation
     finally:
         close_env(env)
     finish = "stop" if episode.done else reason

@@ -145,11 +145,12 @@ class Recipe:
     def make_env(self, task: Task):
         return self.module.make_env(task)
 
-    def demonstrate(self, task: Task) -> list[str] | None:
-        """The recipe's own replies for `task` (one per turn; `demonstrate(task)` in its
-        tasks.py), or None when it has none."""
+    def demonstrate(self, task: Task) -> list[str] | Callable | None:
+        """The recipe's own way to solve `task` (`demonstrate(task)` in its tasks.py):
+        its replies (one per turn), or a policy `reply(env, observation)` asked at each
+        turn; None when it has none (see mlx_grpo/guidance.py)."""
         fn = getattr(self.module, "demonstrate", None)
-        return list(fn(task)) if callable(fn) else None
+        return fn(task) if callable(fn) else None
 
     def first_messages(self, task: Task, env=None) -> list[dict]:
         """The prompt's messages: the task's, then (multi-turn) the env's first observation."""

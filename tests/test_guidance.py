@@ -55,6 +55,33 @@ def test_a_demonstration_is_its_conversation_in_the_chat_template(tiny):
         assert recipe.score(task, demo.episode).reward == pytest.approx(1.5)
 
 
+def test_a_policy_demonstrates_turn_by_turn_as_its_replies_would(tiny, monkeypatch):
+    """`demonstrate` may return a policy asked at each turn with the env's last
+    observation; it gives the completion that its replies, listed, give."""
+    _, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    task = recipe.tasks("train", 3, 0)[2]  # 3 turns
+    prompt = _prompt(recipe, tok, task)
+    listed = demonstration(recipe, tok, task, 0, prompt, CFG)
+    seen = []
+
+    def policy(env, observation):
+        seen.append(observation)
+        return "ok"
+
+    monkeypatch.setattr(recipe.module, "demonstrate", lambda task: policy)
+    asked = demonstration(recipe, tok, task, 0, prompt, CFG)
+    assert (asked.tokens, asked.loss_mask, asked.text) == (
+        listed.tokens,
+        listed.loss_mask,
+        listed.text,
+    )
+    assert seen == ["start", "turn 1: 2 chars", "turn 2: 2 chars"]
+    monkeypatch.setattr(recipe.module, "demonstrate", lambda task: lambda env, obs: None)
+    gave_up = demonstration(recipe, tok, task, 0, prompt, CFG)
+    assert gave_up.tokens == [] and not gave_up.episode.done and gave_up.finish_reason == "length"
+
+
 def test_a_demonstration_longer_than_a_turn_allows_is_left_out(tiny):
     _, tok = tiny
     recipe = Recipe(str(TOY_ENV), {"finished": 1.0}, {})

@@ -387,3 +387,28 @@ def test_pictures_show_the_page_at_each_step_with_its_action():
     a = image.crop((8, 40, 8 + TASK_W * SCALE, 40 + TASK_H * SCALE))
     b = image.crop((16 + TASK_W * SCALE, 40, 16 + 2 * TASK_W * SCALE, 40 + TASK_H * SCALE))
     assert a.tobytes() != b.tobytes()
+
+
+def test_guidance_plays_the_script_through_the_agents_turns(tiny):
+    """grpo.guidance's demonstration of a MiniWoB task is the type's script played turn by
+    turn through the same chat template: it succeeds where `play` does, in as many
+    turns, and only its replies (each closed by EOS) are in the loss."""
+    from mlx_grpo.config import build_config
+    from mlx_grpo.guidance import demonstration
+    from mlx_grpo.recipe import recipe_defaults
+    from mlx_grpo.rollout import encode_prompt
+
+    _, tok = tiny
+    cfg = build_config(recipe_defaults("miniwob"))
+    recipe = Recipe.from_config(cfg.recipe)
+    for task in recipe.tasks("train", 3, 0):  # three types, one multi-step
+        env = recipe.make_env(task)
+        prompt = encode_prompt(tok, recipe.first_messages(task, env), 10**6)
+        env.close()
+        demo = demonstration(recipe, tok, task, 0, prompt, cfg.rollout)
+        ok, steps, _ = play(task.payload["task"], task.payload["seed"], task.payload["max_steps"])
+        assert ok and demo.episode.done and demo.episode.turns == steps, task.id
+        assert recipe.score(task, demo.episode).components["success"] == 1.0
+        assert sum(demo.loss_mask) == sum(
+            len(tok.encode(a, add_special_tokens=False)) + 1 for a in demo.episode.actions
+        )

@@ -438,6 +438,27 @@ SCRIPTS: dict[str, Callable] = {
 }
 
 
+def player(task: str) -> Callable[[object, str], str | None]:
+    """The type's script as a policy over turns, `reply(env, observation)`: the first
+    observation is reset()'s, the next ones step()'s (a line about the action, then the
+    page; an unchanged page shows the script the one it saw last). None once the
+    script finds nothing to do."""
+    script, seen = Script(SCRIPTS[task]), {}
+
+    def reply(env, observation: str) -> str | None:
+        page = observation
+        if seen:
+            page = observation.split("\n", 1)[-1]
+            page = seen["page"] if page == "(page unchanged)" else page
+        seen["page"] = page
+        try:
+            return script(env.goal, page)
+        except (LookupError, StopIteration, IndexError, AttributeError, ValueError, KeyError):
+            return None
+
+    return reply
+
+
 def play(
     task: str, seed: int, max_steps: int = 20, mode: str = "train"
 ) -> tuple[bool, int, float | None]:
@@ -446,21 +467,15 @@ def play(
     from recipes.miniwob.page import MiniWoBEnv
 
     env = MiniWoBEnv(task, seed, mode, max_steps)
-    obs = env.reset()
-    goal, script = env.goal, Script(SCRIPTS[task])
+    observation, reply = env.reset(), player(task)
     steps = 0
     try:
-        while True:
-            try:
-                reply = script(goal, obs)
-            except (LookupError, StopIteration, IndexError, AttributeError, ValueError, KeyError):
-                break
-            result = env.step(reply)
+        while (action := reply(env, observation)) is not None:
+            result = env.step(action)
             steps += 1
             if result.done:
                 break
-            page = result.observation.split("\n", 1)[-1]
-            obs = obs if page == "(page unchanged)" else page
+            observation = result.observation
     finally:
         env.close()
     return env.outcome().success, steps, env.raw_reward

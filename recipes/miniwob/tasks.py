@@ -33,7 +33,7 @@ from mlx_grpo.config import ConfigError
 from mlx_grpo.recipe import Task
 from recipes.miniwob.browser import HTML, NoBrowser, find_browser
 from recipes.miniwob.page import MiniWoBEnv
-from recipes.miniwob.suite import load_suite, suite_types
+from recipes.miniwob.suite import SCRIPTS, load_suite, player, suite_types
 from recipes.web_agent import agent_messages, instructions, syntax_error
 from rewards.web import components
 
@@ -149,6 +149,13 @@ def make_env(task: Task) -> MiniWoBEnv:
     env = MiniWoBEnv(p["task"], p["seed"], p["mode"], p["max_steps"], p["browsers"])
     env.record = p.get("record", False)  # screenshots for pictures.py
     return env
+
+
+def demonstrate(task: Task):
+    """The type's scripted policy (suite.py), for the types that have one: what
+    grpo.guidance shows the policy."""
+    name = task.payload["task"]
+    return player(name) if name in SCRIPTS else None
 
 
 def reward(task: Task, episode) -> dict:
