@@ -79,28 +79,36 @@ def guide_groups(
     rollout: Rollout,
     scored: list[Scored],
     cfg: RolloutConfig,
+    say=print,
 ) -> list[tuple[int, float]]:
-    """Put each zero-variance group's demonstration in place of its last sample when
-    the demonstration scores higher, in `rollout` and `scored`. Returns the (row,
-    reward) of every replaced sample."""
+    """Put each zero-variance group's demonstration in place of its last sample, in
+    `rollout` and `scored`, when the demonstration ends its episode and scores higher
+    than the group's other samples. A recipe that scores a group as a whole
+    (`reward_batch`) scores it again with the demonstration in. Groups whose reward
+    raised, and demonstrations that raise (said once each), are left as sampled.
+    Returns the (row, reward) of every row whose reward changed."""
     g = rollout.group_size
-    picks = []
+    whole = callable(getattr(recipe.module, "reward_batch", None))
+    changed = []
     for i, task in enumerate(tasks):
-        rewards = [s.reward for s in scored[i * g : (i + 1) * g]]
-        if max(rewards) - min(rewards) > 1e-8:
+        rows = slice(i * g, (i + 1) * g)
+        group = scored[rows]
+        rewards = [s.reward for s in group]
+        if max(rewards) - min(rewards) > 1e-8 or any(s.error for s in group):
             continue
-        demo = demonstration(recipe, tokenizer, task, i, rollout.prompts[i], cfg)
-        if demo is not None:
-            picks.append((i, demo, rewards[0]))
-    if not picks:
-        return []
-    judged = recipe.score_groups(
-        [tasks[i] for i, _, _ in picks], [[d.episode or d.text] for _, d, _ in picks]
-    )
-    replaced = []
-    for (i, demo, group_reward), [score] in zip(picks, judged):
-        if score.reward > group_reward + 1e-6:
-            row = i * g + g - 1
-            rollout.completions[row], scored[row] = demo, score
-            replaced.append((row, score.reward))
-    return replaced
+        try:
+            demo = demonstration(recipe, tokenizer, task, i, rollout.prompts[i], cfg)
+        except Exception as e:  # the recipe's script or env: this group goes unguided
+            say(f"grpo.guidance: the demonstration of {task.id} raised, left out: {e!r}")
+            continue
+        if demo is None or demo.finish_reason != "stop":
+            continue
+        comps = [*rollout.completions[rows][:-1], demo] if whole else [demo]
+        judged = recipe.score_groups([task], [[c.episode or c.text for c in comps]])[0]
+        new = judged if whole else [*group[:-1], *judged]
+        if new[-1].error or new[-1].reward <= max(s.reward for s in new[:-1]) + 1e-6:
+            continue
+        rollout.completions[i * g + g - 1] = demo
+        scored[rows] = new
+        changed += [(i * g + j, s.reward) for j, s in enumerate(new) if s is not group[j]]
+    return changed

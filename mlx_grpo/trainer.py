@@ -239,6 +239,10 @@ def train(
             f"train.batch_size={b} is smaller than the {dist.size} ranks: "
             "each rank needs at least one group"
         )
+    if cfg.grpo.guidance and not callable(getattr(recipe.module, "demonstrate", None)):
+        raise TrainingError(
+            f"grpo.guidance: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
+        )
     if not main:
         say = _silent
     run = RunFolder(run_dir)
@@ -294,12 +298,12 @@ def train(
             )
             share = _share_record(rollout, scored, with_text=sample_step)
             if cfg.grpo.guidance:  # after the on-policy record: only the update sees it
-                share["guided"] = [
-                    (mine.start * g + row, reward)
-                    for row, reward in guide_groups(
-                        recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout
-                    )
-                ]
+                tic = time.perf_counter()
+                changed = guide_groups(
+                    recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say
+                )
+                share["guided"] = [(mine.start * g + row, reward) for row, reward in changed]
+                share["guidance_seconds"] = time.perf_counter() - tic
             tic = time.perf_counter()
             shares = dist.gather(share)
             gather_s = time.perf_counter() - tic
@@ -321,8 +325,9 @@ def train(
             advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
             zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
             curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
+            guided_groups = sorted({row // g for row, _ in guided if zero_var[row // g]})
             train_groups = _groups_to_train(
-                zero_var, b, cfg.grpo.skip_zero_variance_groups, [row // g for row, _ in guided]
+                zero_var, b, cfg.grpo.skip_zero_variance_groups, guided_groups
             )
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
@@ -357,7 +362,8 @@ def train(
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
             if cfg.grpo.guidance:
-                metrics["guidance/groups"] = len(guided)
+                metrics["guidance/groups"] = len(guided_groups)
+                metrics["time/guidance_s"] = max(sh["guidance_seconds"] for sh in shares)
             if entropy_bonus_on(cfg.grpo):
                 metrics["entropy/coef"] = entropy_coef  # the weight this step's update used
             if cfg.grpo.compile:
@@ -365,7 +371,7 @@ def train(
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
             _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
-            if it_metrics:
+            if it_metrics and (not zero_var.all() or guided_groups):
                 _guards(step, metrics, counters, cfg, say)
             if main:
                 metrics_log.write(metrics)

@@ -208,3 +208,24 @@ def test_collectives_over_two_ranks(tmp_path):
         }
     assert got[0]["error"] == ["ValueError", "rank 0 says no"]
     assert got[1]["error"] == ["RankZeroError", "rank 0 says no"]
+
+
+def test_two_ranks_guide_the_groups_one_process_guides(tiny_model_dir, tmp_path):
+    """grpo.guidance under two ranks: each rank plays the demonstrations of its own
+    groups and reports their rows in the whole batch, so the update is one process's."""
+    args = ["--recipe", str(TESTS / "data" / "toy_guided"), f"--model.path={tiny_model_dir}"]
+    args += ["--grpo.guidance=true", "--train.steps=2", "--curriculum.strategy=uniform"]
+    single = tmp_path / "single"
+    assert cmd_train([*args, f"--output.dir={single}", "--output.run=r"]) == 0
+    two = tmp_path / "two"
+    _launch(two, *args, "--output.dir=ckpt", "--output.run=r")
+    m1, m2 = _metrics(single / "r"), _metrics(two / "rank0" / "ckpt" / "r")
+    assert [r["guidance/groups"] for r in m1] == [r["guidance/groups"] for r in m2] == [2, 2]
+    assert [r["groups/trained"] for r in m2] == [2, 2]
+    a0, ref = (
+        _adapters(two / "adapters-rank0.safetensors"),
+        _adapters(single / "r" / "adapters.safetensors"),
+    )
+    n = 2 * tiny_additions(json.loads((tiny_model_dir / "config.json").read_text()))
+    for k in ref:
+        assert_f32_close(a0[k], ref[k], n, k)

@@ -17,6 +17,8 @@ from mlx_grpo.recipe import Recipe, Scored
 from mlx_grpo.rollout import encode_prompt, rollout_tasks
 
 TOY_ENV = Path(__file__).parent / "data" / "toy_env"
+GUIDED = Path(__file__).parent / "data" / "toy_guided"
+TOY = Path(__file__).parent / "data" / "toy"
 CFG = RolloutConfig(max_new_tokens=6, max_turns=3, temperature=1.0)
 
 
@@ -90,74 +92,85 @@ def test_a_demonstration_longer_than_a_turn_allows_is_left_out(tiny):
     assert demonstration(recipe, tok, task, 0, _prompt(recipe, tok, task), short) is None
 
 
-def test_guidance_fills_only_the_zero_variance_groups_that_the_demonstration_beats(tiny):
+def test_guidance_fills_only_the_zero_variance_groups_that_the_demonstration_beats(
+    tiny, monkeypatch
+):
     model, tok = tiny
     recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
-    tasks = recipe.tasks("train", 3, 0)
+    tasks = recipe.tasks("train", 5, 0)
     mx.random.seed(0)
     rollout = rollout_tasks(model, tok, recipe, tasks, 4, CFG)
-    # Group 0: all equal below the best (1.5); group 1: all at the best; group 2: mixed.
-    rewards = [[1.0] * 4, [1.5] * 4, [1.0, 1.5, 1.0, 1.0]]
+    # Group 0: all equal below the best (1.5); 1: all at the best; 2: mixed; 3: equal,
+    # but its reward raised; 4: equal, but its demonstration raises.
+    rewards = [[1.0] * 4, [1.5] * 4, [1.0, 1.5, 1.0, 1.0], [0.0] * 4, [1.0] * 4]
     scored = [Scored(r, {"r": r}) for group in rewards for r in group]
-    before_c, before_s = list(rollout.completions), list(scored)
-    replaced = guide_groups(recipe, tok, tasks, rollout, scored, CFG)
+    scored[12:16] = [Scored(0.0, {}, error="RuntimeError: boom")] * 4
+    own = recipe.module.demonstrate
+
+    def demonstrate(task):
+        if task.id == tasks[4].id:
+            raise RuntimeError("no script for this one")
+        return own(task)
+
+    monkeypatch.setattr(recipe.module, "demonstrate", demonstrate)
+    before_c, before_s, said = list(rollout.completions), list(scored), []
+    replaced = guide_groups(recipe, tok, tasks, rollout, scored, CFG, said.append)
     assert replaced == [(3, pytest.approx(1.5))]
+    assert len(said) == 1 and tasks[4].id in said[0] and "no script" in said[0]
     demo = demonstration(recipe, tok, tasks[0], 0, rollout.prompts[0], CFG)
     got = rollout.completions[3]
     assert (got.tokens, got.loss_mask, got.text) == (demo.tokens, demo.loss_mask, demo.text)
     assert scored[3].reward == pytest.approx(1.5) and scored[3].components["finished"] == 1.0
-    for row in [r for r in range(12) if r != 3]:
+    for row in [r for r in range(20) if r != 3]:
         assert rollout.completions[row] is before_c[row] and scored[row] is before_s[row]
 
 
-GUIDED_RECIPE = """
-from mlx_grpo.env import StepResult
-from mlx_grpo.recipe import Task
+def test_a_recipe_that_scores_groups_whole_judges_the_demonstration_among_them(tiny, monkeypatch):
+    """With `reward_batch` a reward may depend on the whole group: the group is scored
+    again with the demonstration in, and guided only if it then beats the others."""
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "solved": 1.0}, {})
+    tasks = recipe.tasks("train", 1, 0)
+    mx.random.seed(0)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 4, CFG)
+    scored = [Scored(1.0, {"finished": 1.0, "solved": 0.0})] * 4
 
-def make_tasks(split, n, seed):
-    return [Task(id=f"{split}-{seed}-{i}", level=1,
-                 messages=[{"role": "system", "content": f"answer yes, twice ({i})"}],
-                 payload={}) for i in range(n)]
+    def reward_batch(tasks, groups):  # "solved": someone in the group said "ok"
+        return [
+            [
+                {"finished": float(e.done), "solved": float(any(x.text == "ok" for x in g))}
+                for e in g
+            ]
+            for g in groups
+        ]
 
-class Env:
-    def __init__(self):
-        self.n = 0
-    def reset(self):
-        return "go"
-    def step(self, action):
-        self.n += 1
-        return StepResult("again", self.n >= 2, {})
+    monkeypatch.setattr(recipe.module, "reward_batch", reward_batch, raising=False)
+    assert guide_groups(recipe, tok, tasks, rollout, scored, CFG) == []  # 2 = 2: no gain
+    assert all(s.reward == 1.0 for s in scored)  # scored alone, it would have won 2 to 1
 
-def make_env(task):
-    return Env()
 
-def demonstrate(task):
-    return ["yes", "yes"]
+def test_guidance_needs_a_recipe_that_demonstrates(tiny_model_dir, tmp_path):
+    from mlx_grpo.trainer import TrainingError
 
-def reward(task, episode):
-    return {"match": float(episode.actions == ["yes", "yes"])}
-"""
+    capitals = Path(__file__).parent / "data" / "capitals"
+    args = ["--recipe", str(capitals), f"--model.path={tiny_model_dir}", "--grpo.guidance=true"]
+    with pytest.raises(TrainingError, match=r"^grpo.guidance: recipe .* defines no demonstrate"):
+        cmd_train([*args, f"--output.dir={tmp_path}", "--output.run=x"])
 
-GUIDED_TOML = """
-[recipe]
-weights = { match = 1.0 }
-train_size = 16
-eval_size = 4
-[rollout]
-max_new_tokens = 4
-max_turns = 2
-temperature = 1.0
-[grpo]
-num_generations = 4
-[optimizer]
-learning_rate = 1e-2
-[train]
-steps = 3
-batch_size = 2
-[output]
-save_every = 3
-live = "no"
-"""
+
+def test_a_single_turn_demonstration_is_its_reply_and_eos(tiny):
+    _, tok = tiny
+    recipe = Recipe(str(TOY), {"ascii": 1.0}, {})
+    task = recipe.tasks("train", 1, 0)[0]
+    prompt = encode_prompt(tok, task.messages, 10**6)
+    demo = demonstration(recipe, tok, task, 2, prompt, RolloutConfig(max_new_tokens=8))
+    assert demo.tokens == tok.encode("ab", add_special_tokens=False) + [tok.eos_token_id]
+    assert (demo.text, demo.prompt_index, demo.finish_reason, demo.loss_mask) == (
+        "ab",
+        2,
+        "stop",
+        None,
+    )
 
 
 def _demo_logprob(model, tok, recipe, task) -> float:
@@ -181,10 +194,7 @@ def test_guided_update_learns_the_demonstration_and_logs_on_policy_figures(
     reward, zero-variance and curriculum figures are still the samples' own."""
     from mlx_lm import load
 
-    recipe_dir = tmp_path / "guided"
-    recipe_dir.mkdir()
-    (recipe_dir / "tasks.py").write_text(GUIDED_RECIPE)
-    (recipe_dir / "recipe.toml").write_text(GUIDED_TOML)
+    recipe_dir = GUIDED
     runs = {}
     for name, flag in [("off", []), ("on", ["--grpo.guidance=true"])]:
         args = ["--recipe", str(recipe_dir), f"--model.path={tiny_model_dir}"]
@@ -210,3 +220,15 @@ def test_guided_update_learns_the_demonstration_and_logs_on_policy_figures(
     before = _demo_logprob(base, tok, recipe, task)
     after = _demo_logprob(guided, tok, recipe, task)
     assert after > before + 1.0, (before, after)
+
+
+def test_a_demonstration_that_gives_up_before_the_end_is_left_out(tiny, monkeypatch):
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"short": 1.0}, {})  # pays short replies, done or not
+    tasks = [t for t in recipe.tasks("train", 3, 0) if t.payload["turns"] == 3]
+    mx.random.seed(0)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 4, CFG)
+    scored = [Scored(0.0, {"short": 0.0})] * 4
+    replies = iter(["ok"])
+    monkeypatch.setattr(recipe.module, "demonstrate", lambda t: lambda e, o: next(replies, None))
+    assert guide_groups(recipe, tok, tasks, rollout, scored, CFG) == []
