@@ -178,9 +178,10 @@ class GRPOConfig(_Section):
     )
     guidance: bool = Field(
         False,
-        description="Off-policy guidance (LUFFY): in a group whose G rewards are all "
-        "equal, the recipe's demonstration (`demonstrate(task)` in its tasks.py) takes "
-        "the last sample's place when it scores higher, so the group carries a signal. "
+        description="Off-policy guidance (LUFFY): in a group whose every sample scores "
+        "below the recipe's demonstration (`demonstrate(task)` in its tasks.py), the "
+        "demonstration takes the lowest-scoring sample's place, so tasks the policy "
+        "cannot solve yet still point it to a solution. "
         "Only the update sees it: reward metrics, the curriculum and the samples log "
         "stay on-policy; guidance/groups counts the groups it filled.",
     )

@@ -1,12 +1,13 @@
 """Off-policy guidance (LUFFY, Yan et al. 2025): a demonstration where a group has no signal.
 
-A group whose G samples all score the same (all failed, mostly, on a level the policy
-cannot yet solve) gives GRPO no gradient. With `grpo.guidance`, the recipe's own
-replies for the task (`demonstrate(task)` in its tasks.py: a scripted solution) are
-played through the same environment and chat template as a sampled episode, scored by
-the same reward, and put in place of the group's last sample when they score higher.
-The group then has one high reward among G: the demonstration's tokens get a positive
-advantage, the failed samples a negative one. Its old log-probs are the policy's own
+A group in which no sample succeeds (a level the policy cannot yet solve) gives GRPO
+no gradient toward success: none when its G samples all score the same, and only the
+partial credit's when they differ. With `grpo.guidance`, the recipe's own replies for
+the task (`demonstrate(task)` in its tasks.py: a scripted solution) are played through
+the same environment and chat template as a sampled episode, scored by the same
+reward, and put in place of the group's lowest-scoring sample when they score higher
+than every sample. The group then has one high reward among G: the demonstration's
+tokens get a positive advantage, the failed samples a negative one. Its old log-probs are the policy's own
 (as for every sample with num_iterations = 1), so its ratio starts at 1 and the clipped
 surrogate is a policy-gradient step toward the demonstration, weighted by its advantage.
 """
@@ -81,9 +82,9 @@ def guide_groups(
     cfg: RolloutConfig,
     say=print,
 ) -> list[tuple[int, float]]:
-    """Put each zero-variance group's demonstration in place of its last sample, in
-    `rollout` and `scored`, when the demonstration ends its episode and scores higher
-    than the group's other samples. A recipe that scores a group as a whole
+    """In each group that the recipe's demonstration beats (it ends its episode and
+    scores higher than every sample), put it in place of the lowest-scoring sample (the
+    last of equals), in `rollout` and `scored`. A recipe that scores a group as a whole
     (`reward_batch`) scores it again with the demonstration in. Groups whose reward
     raised, and demonstrations that raise (said once each), are left as sampled.
     Returns the (row, reward) of every row whose reward changed."""
@@ -91,11 +92,10 @@ def guide_groups(
     whole = callable(getattr(recipe.module, "reward_batch", None))
     changed = []
     for i, task in enumerate(tasks):
-        rows = slice(i * g, (i + 1) * g)
-        group = scored[rows]
+        group = scored[i * g : (i + 1) * g]
         rewards = [s.reward for s in group]
-        if max(rewards) - min(rewards) > 1e-8 or any(s.error for s in group):
-            continue
+        if max(rewards) >= recipe.max_reward - 1e-6 or any(s.error for s in group):
+            continue  # nothing to beat, or nothing to trust
         try:
             demo = demonstration(recipe, tokenizer, task, i, rollout.prompts[i], cfg)
         except Exception as e:  # the recipe's script or env: this group goes unguided
@@ -103,12 +103,24 @@ def guide_groups(
             continue
         if demo is None or demo.finish_reason != "stop":
             continue
-        comps = [*rollout.completions[rows][:-1], demo] if whole else [demo]
-        judged = recipe.score_groups([task], [[c.episode or c.text for c in comps]])[0]
-        new = judged if whole else [*group[:-1], *judged]
-        if new[-1].error or new[-1].reward <= max(s.reward for s in new[:-1]) + 1e-6:
+        out = g - 1 - rewards[::-1].index(min(rewards))  # the last of the lowest
+        comps = rollout.completions[i * g : (i + 1) * g]
+        if whole:
+            new = recipe.score_groups(
+                [task],
+                [
+                    [c.episode or c.text for c in comps[:out]]
+                    + [demo.episode or demo.text]
+                    + [c.episode or c.text for c in comps[out + 1 :]]
+                ],
+            )[0]
+        else:
+            new = list(group)
+            new[out] = recipe.score_groups([task], [[demo.episode or demo.text]])[0][0]
+        others = new[:out] + new[out + 1 :]
+        if new[out].error or new[out].reward <= max(s.reward for s in others) + 1e-6:
             continue
-        rollout.completions[i * g + g - 1] = demo
-        scored[rows] = new
+        rollout.completions[i * g + out] = demo
+        scored[i * g : (i + 1) * g] = new
         changed += [(i * g + j, s.reward) for j, s in enumerate(new) if s is not group[j]]
     return changed

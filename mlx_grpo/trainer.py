@@ -324,11 +324,9 @@ def train(
                 update_rewards[row] = r
             advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
             zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
+            no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
             curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
-            guided_groups = sorted({row // g for row, _ in guided if zero_var[row // g]})
-            train_groups = _groups_to_train(
-                zero_var, b, cfg.grpo.skip_zero_variance_groups, guided_groups
-            )
+            train_groups = _groups_to_train(no_signal, b, cfg.grpo.skip_zero_variance_groups)
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
             entropy_coef = counters.entropy_coef
@@ -362,7 +360,7 @@ def train(
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
             if cfg.grpo.guidance:
-                metrics["guidance/groups"] = len(guided_groups)
+                metrics["guidance/groups"] = len({row // g for row, _ in guided})
                 metrics["time/guidance_s"] = max(sh["guidance_seconds"] for sh in shares)
             if entropy_bonus_on(cfg.grpo):
                 metrics["entropy/coef"] = entropy_coef  # the weight this step's update used
@@ -371,7 +369,7 @@ def train(
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
             _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
-            if it_metrics and (not zero_var.all() or guided_groups):
+            if not no_signal.all():
                 _guards(step, metrics, counters, cfg, say)
             if main:
                 metrics_log.write(metrics)
@@ -431,26 +429,21 @@ def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum
     return st.step, Counters(**st.counters)
 
 
-def _groups_to_train(
-    zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool, guided: list[int] = ()
-) -> list:
-    """Indices of the groups the update uses: those with reward variance first, then the
-    `guided` ones (zero-variance groups given a demonstration), then, unless
-    `skip_zero_variance`, the other groups whose rewards are all equal (they carry no
-    policy gradient, so by default they are left out of the loss and its divisors); at
-    most `batch_size` (`filter` rolls out more groups than it trains).
+def _groups_to_train(zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool) -> list:
+    """Indices of the groups the update uses: those with reward variance first (groups
+    whose rewards are all equal carry no policy gradient, so they are left out of the
+    loss and its divisors unless `skip_zero_variance` is off), at most `batch_size`
+    (`filter` rolls out more groups than it trains).
 
     >>> _groups_to_train(np.array([True, False, False, True]), 1, True)
     [1]
     >>> _groups_to_train(np.array([True, False, False, True]), 3, False)
     [0, 1, 2]
-    >>> _groups_to_train(np.array([True, False, True, True]), 2, True, [3])
-    [1, 3]
     """
     n = len(zero_var)
-    keep = [i for i in range(n) if not zero_var[i]] + list(guided)
+    keep = [i for i in range(n) if not zero_var[i]]
     if not skip_zero_variance:
-        keep += [i for i in range(n) if zero_var[i] and i not in guided]
+        keep += [i for i in range(n) if zero_var[i]]
     return sorted(keep[:batch_size])
 
 

@@ -97,12 +97,14 @@ def test_guidance_fills_only_the_zero_variance_groups_that_the_demonstration_bea
 ):
     model, tok = tiny
     recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
-    tasks = recipe.tasks("train", 5, 0)
+    tasks = recipe.tasks("train", 6, 0)
     mx.random.seed(0)
     rollout = rollout_tasks(model, tok, recipe, tasks, 4, CFG)
-    # Group 0: all equal below the best (1.5); 1: all at the best; 2: mixed; 3: equal,
-    # but its reward raised; 4: equal, but its demonstration raises.
+    # The demonstration scores the best, 1.5. Group 0: all equal below it; 1: all at it;
+    # 2: one sample at it; 3: its reward raised; 4: its demonstration raises; 5: mixed,
+    # all below it (the lowest sample makes way).
     rewards = [[1.0] * 4, [1.5] * 4, [1.0, 1.5, 1.0, 1.0], [0.0] * 4, [1.0] * 4]
+    rewards += [[0.5, 0.0, 1.0, 1.0]]
     scored = [Scored(r, {"r": r}) for group in rewards for r in group]
     scored[12:16] = [Scored(0.0, {}, error="RuntimeError: boom")] * 4
     own = recipe.module.demonstrate
@@ -115,13 +117,15 @@ def test_guidance_fills_only_the_zero_variance_groups_that_the_demonstration_bea
     monkeypatch.setattr(recipe.module, "demonstrate", demonstrate)
     before_c, before_s, said = list(rollout.completions), list(scored), []
     replaced = guide_groups(recipe, tok, tasks, rollout, scored, CFG, said.append)
-    assert replaced == [(3, pytest.approx(1.5))]
+    assert replaced == [(3, pytest.approx(1.5)), (21, pytest.approx(1.5))]
     assert len(said) == 1 and tasks[4].id in said[0] and "no script" in said[0]
-    demo = demonstration(recipe, tok, tasks[0], 0, rollout.prompts[0], CFG)
-    got = rollout.completions[3]
-    assert (got.tokens, got.loss_mask, got.text) == (demo.tokens, demo.loss_mask, demo.text)
-    assert scored[3].reward == pytest.approx(1.5) and scored[3].components["finished"] == 1.0
-    for row in [r for r in range(20) if r != 3]:
+    for group, row in [(0, 3), (5, 21)]:
+        demo = demonstration(recipe, tok, tasks[group], group, rollout.prompts[group], CFG)
+        got = rollout.completions[row]
+        assert (got.tokens, got.loss_mask, got.text) == (demo.tokens, demo.loss_mask, demo.text)
+        assert scored[row].reward == pytest.approx(1.5)
+        assert scored[row].components["finished"] == 1.0
+    for row in [r for r in range(24) if r not in (3, 21)]:
         assert rollout.completions[row] is before_c[row] and scored[row] is before_s[row]
 
 
