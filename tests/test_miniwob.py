@@ -403,7 +403,7 @@ def test_guidance_plays_the_script_through_the_agents_turns(tiny):
     recipe = Recipe.from_config(cfg.recipe)
     for task in recipe.tasks("train", 3, 0):  # three types, one multi-step
         env = recipe.make_env(task)
-        prompt = encode_prompt(tok, recipe.first_messages(task, env), 10**6)
+        prompt = encode_prompt(tok, recipe.first_messages(task, env), cfg.rollout.max_prompt_tokens)
         env.close()
         demo = demonstration(recipe, tok, task, 0, prompt, cfg.rollout)
         ok, steps, _ = play(task.payload["task"], task.payload["seed"], task.payload["max_steps"])
