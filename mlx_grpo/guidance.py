@@ -104,16 +104,10 @@ def guide_groups(
         if demo is None or demo.finish_reason != "stop":
             continue
         out = g - 1 - rewards[::-1].index(min(rewards))  # the last of the lowest
-        comps = rollout.completions[i * g : (i + 1) * g]
         if whole:
-            new = recipe.score_groups(
-                [task],
-                [
-                    [c.episode or c.text for c in comps[:out]]
-                    + [demo.episode or demo.text]
-                    + [c.episode or c.text for c in comps[out + 1 :]]
-                ],
-            )[0]
+            comps = rollout.completions[i * g : (i + 1) * g]
+            comps[out] = demo
+            new = recipe.score_groups([task], [[c.episode or c.text for c in comps]])[0]
         else:
             new = list(group)
             new[out] = recipe.score_groups([task], [[demo.episode or demo.text]])[0][0]
