@@ -14,9 +14,10 @@ runs alone, in a shape taken from a small set:
   `micro_batch_tokens` (1 to G rows; padding those with empty rows would cost memory
   where memory is what the cut saves).
 Everything that depends on values rather than shapes (prompt lengths, the loss mask, its
-turn weights, the batch's counts) enters as arrays, so a new batch with the same padded
-shapes replays the trace. The objective is `grpo.objective`, the one the eager path
-uses; the prompt is run once per group and shared by its rows, as there.
+turn weights, the demonstration rows, the batch's counts) enters as arrays, so a new
+batch with the same padded shapes replays the trace. The objective is `grpo.objective`,
+the one the eager path uses; the prompt is run once per group and shared by its rows,
+as there.
 
 What is not carried over from the eager path: length buckets inside a group and the
 sparse output head for multi-turn episodes (both choose their work from the mask's
@@ -107,7 +108,7 @@ class CompiledLossAndGrad:
         # value_and_grad leaves its (traced) parameters in the model: they go back out.
         self._step = mx.compile(traced, inputs=model.state, outputs=model.state)
 
-    def _loss(self, model, prompt, start, comp, mask, adv, old, ref, weights, counts, coef):
+    def _loss(self, model, prompt, start, comp, mask, adv, old, ref, weights, guided, counts, coef):
         r, c = comp.shape
         cache = [_LeftPadded(start) for _ in model.layers]
         hidden = model.model(prompt, cache=cache)[:, -1:]  # the last prompt token is real
@@ -130,6 +131,7 @@ class CompiledLossAndGrad:
             total_rows=counts[0],
             total_tokens=counts[1],
             entropy_coef=coef,
+            guided=guided,
         )
         return objective(lp, ent, batch, self.cfg, weights=weights)
 
@@ -155,6 +157,9 @@ class CompiledLossAndGrad:
         mask[: hi - lo, : min(c, batch.mask.shape[1])] = np.array(batch.mask[lo:hi])[:, :c]
         adv = np.zeros(rows, np.float32)
         adv[: hi - lo] = np.array(batch.advantages[lo:hi])
+        guided = np.zeros(rows, np.float32)
+        if batch.guided is not None:
+            guided[: hi - lo] = np.array(batch.guided[lo:hi])
         zeros = mx.zeros((rows, c))
         return (
             mx.array(prompt),
@@ -165,6 +170,7 @@ class CompiledLossAndGrad:
             zeros if batch.old_logprobs is None else block(batch.old_logprobs, np.float32),
             zeros if batch.ref_logprobs is None else block(batch.ref_logprobs, np.float32),
             turn_weights(mx.array(mask)),
+            mx.array(guided),
         )
 
     def __call__(self, model: nn.Module, batch: LossInputs):

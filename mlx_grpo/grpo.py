@@ -120,6 +120,9 @@ class LossInputs:
     # config's `entropy_coef`); an array under grpo.compile, so that a new value does
     # not trigger a new trace.
     entropy_coef: float | mx.array | None = None
+    # [N] 1.0 on the rows that are demonstrations (grpo.guidance), not the policy's own
+    # samples: the metrics report them apart (`GUIDED_PARTS`).
+    guided: mx.array | None = None
 
 
 def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInputs]:
@@ -176,6 +179,7 @@ def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInpu
                 advantages=batch.advantages[rows],
                 old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[rows],
                 ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[rows],
+                guided=None if batch.guided is None else batch.guided[rows],
                 total_rows=total_rows,
                 total_tokens=total_tokens,
             )
@@ -278,7 +282,11 @@ def masked_mean(x: mx.array, mask: mx.array, total_tokens: float | None = None) 
 
 # The metrics `grpo_loss` returns; all are sums over tokens or sequences divided by
 # the batch's count, so ranks' values add up to the whole batch's.
-LOSS_METRICS = ("loss/policy", "kl", "clip/frac", "ratio/mean", "entropy")
+# The demonstration rows' share of the loss tokens and of the token sums of entropy and
+# log-prob (each divided by the batch's token count, so they add up over pieces and
+# ranks like the rest); `split_guided` turns them into per-token means.
+GUIDED_PARTS = ("guided/token_frac", "guided/entropy_frac", "guided/logp_frac")
+LOSS_METRICS = ("loss/policy", "kl", "clip/frac", "ratio/mean", "entropy", *GUIDED_PARTS)
 
 
 def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[str, mx.array]]:
@@ -336,7 +344,33 @@ def objective(
         "ratio/mean": ratio_mean,
         "entropy": mean_entropy,
     }
+    demo = mask * (0.0 if batch.guided is None else batch.guided[:, None])
+    for key, x in zip(GUIDED_PARTS, (1.0, entropy, logp)):
+        metrics[key] = masked_mean(x, demo, tokens if tokens is not None else mask.sum())
     return loss, {k: mx.stop_gradient(v) for k, v in metrics.items()}
+
+
+def split_guided(metrics: dict) -> dict:
+    """`metrics` of an update with the demonstration rows reported apart: `entropy` over
+    the policy's own samples only (what the entropy guard watches), and
+    `guidance/entropy`, `guidance/logp` (the mean log-prob of a demonstration token: it
+    rises as the policy takes the demonstrations in) and `guidance/token_frac`, when
+    demonstrations were in the batch; without them, `metrics` as they are.
+
+    >>> split_guided({"entropy": 0.5, "guided/token_frac": 0.5,
+    ...               "guided/entropy_frac": 0.125, "guided/logp_frac": -0.5})
+    {'entropy': 0.75, 'guidance/entropy': 0.25, 'guidance/logp': -1.0, 'guidance/token_frac': 0.5}
+    """
+    out = {k: v for k, v in metrics.items() if k not in GUIDED_PARTS}
+    frac = metrics.get("guided/token_frac", 0.0)
+    if frac <= 0:
+        return out
+    if frac < 1:  # else no sampled token entered the update: `entropy` stays as it is
+        out["entropy"] = (metrics["entropy"] - metrics["guided/entropy_frac"]) / (1 - frac)
+    out["guidance/entropy"] = metrics["guided/entropy_frac"] / frac
+    out["guidance/logp"] = metrics["guided/logp_frac"] / frac
+    out["guidance/token_frac"] = frac
+    return out
 
 
 def entropy_bonus_on(cfg) -> bool:

@@ -45,7 +45,7 @@ def demonstration(
     if not recipe.multi_turn:
         reply = plan(None, task.messages[-1]["content"])
         toks = None if reply is None else encode(reply)
-        return None if toks is None else Completion(index, toks, reply, "stop")
+        return None if toks is None else Completion(index, toks, reply, "stop", demonstration=True)
     env = recipe.make_env(task)
     try:
         first = recipe.first_messages(task, env)
@@ -70,7 +70,9 @@ def demonstration(
     finally:
         close_env(env)
     finish = "stop" if episode.done else reason
-    return Completion(index, history, episode.text, finish, loss_mask=mask, episode=episode)
+    return Completion(
+        index, history, episode.text, finish, loss_mask=mask, episode=episode, demonstration=True
+    )
 
 
 def guide_groups(

@@ -41,6 +41,7 @@ class Completion:
     # Episodes: 1 where `tokens` holds a model token, 0 for the environment's tokens.
     loss_mask: list[int] | None = None
     episode: Episode | None = None
+    demonstration: bool = False  # the recipe's demonstration, not a sample (grpo.guidance)
 
     @property
     def truncated(self) -> bool:

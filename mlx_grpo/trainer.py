@@ -36,6 +36,7 @@ from mlx_grpo.grpo import (
     grpo_loss,
     micro_batches,
     next_entropy_coef,
+    split_guided,
     zero_variance_groups,
 )
 from mlx_grpo.guidance import guide_groups
@@ -125,6 +126,7 @@ def build_loss_inputs(
         tokens[i, : len(c.tokens)] = c.tokens
         if not (mask_truncated and c.truncated):
             mask[i, : len(c.tokens)] = 1.0 if c.loss_mask is None else c.loss_mask
+    demos = [float(c.demonstration) for c in comps]
     return LossInputs(
         prompts=[mx.array(rollout.prompts[gi]) for gi in groups],
         completions=mx.array(tokens),
@@ -133,6 +135,7 @@ def build_loss_inputs(
         old_logprobs=None,
         ref_logprobs=None,
         max_new_tokens=max_new_tokens,
+        guided=mx.array(demos) if any(demos) else None,
     )
 
 
@@ -610,11 +613,13 @@ def update_step(
                     f"{step}; lower optimizer.learning_rate or check the reward"
                 )
         it_metrics.append(
-            {
-                "loss/total": loss.item(),
-                "grad_norm": grad_norm.item(),
-                **{k: v.item() for k, v in m.items()},
-            }
+            split_guided(
+                {
+                    "loss/total": loss.item(),
+                    "grad_norm": grad_norm.item(),
+                    **{k: v.item() for k, v in m.items()},
+                }
+            )
         )
     model.eval()
     after = _adapters(model)

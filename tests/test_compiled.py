@@ -69,7 +69,8 @@ def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, i
     """Prompts of three lengths (one a multiple of 32, so unpadded), completions of
     several lengths (past 32, so two blocks), a group on the eager sparse head, and a
     micro-batch budget that cuts a group into runs of rows: loss, every metric and every
-    gradient agree with the eager update (with an entropy bonus too)."""
+    gradient agree with the eager update (with an entropy bonus too, and two rows marked
+    as demonstrations, which the metrics report apart)."""
     model, _ = tiny
     _lora(model)
     g, c = 4, 40
@@ -85,6 +86,7 @@ def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, i
         entropy_coef=bonus,
     )
     batch.entropy_coef = bonus
+    batch.guided = mx.array([0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0], mx.float32)
     if iterations == 1:
         batch.old_logprobs = None
     eager = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
@@ -101,6 +103,7 @@ def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, i
         for k in g_want:
             assert_f32_close(g_got[k], g_want[k], n, k)
     assert any(np.abs(np.array(v)).max() > 0 for v in g_want.values())
+    assert want["guided/token_frac"].item() > 0
     assert compiled.traces > 0
 
 

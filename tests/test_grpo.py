@@ -587,3 +587,60 @@ def test_entropy_controller_moves_the_weight_toward_the_target_within_bounds():
         coef = next_entropy_coef(coef, entropy, cfg)
         entropy = 0.2 + 30 * coef
     assert entropy == pytest.approx(0.8, abs=0.01)
+
+
+# ---------------------------------------------------------------- demonstration rows
+
+
+def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
+    """With demonstrations in the batch (grpo.guidance), `entropy` is the token mean over
+    the sampled rows only, and `guidance/entropy` and `guidance/logp` the token means
+    over the demonstration rows, each against the model's full logits through MLX's own
+    softmax; whole or in micro-batches; the loss and its gradient do not change."""
+    from mlx_grpo.dist import Dist
+    from mlx_grpo.grpo import split_guided
+    from mlx_grpo.trainer import policy_gradient
+
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=6)
+    _randomize_lora_b(model, seed=2)
+    prompts, comp, lens = _groups(seed=6, prompt_lens=(5, 9, 4), g=4, max_c=7)
+    n, c = comp.shape
+    mask = mx.array((np.arange(c)[None] < lens[:, None]).astype(np.float32))
+    adv = mx.array(np.random.default_rng(6).normal(size=n).astype(np.float32))
+    demo = np.zeros(n, np.float32)
+    demo[[3, 4]] = 1.0  # the last row of group 0, the first of group 1
+    cfg = GRPOConfig(beta=0.0)
+    grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
+
+    def update(guided, max_positions=None):
+        batch = LossInputs(prompts, comp, mask, adv, None, None, c, guided=guided)
+        loss, m, grads, _, _ = policy_gradient(model, grad_fn, batch, Dist(), 1e9, max_positions)
+        return loss, split_guided({k: v.item() for k, v in m.items()}), dict(tree_flatten(grads))
+
+    g = n // len(prompts)
+    logp, ent = np.zeros((n, c)), np.zeros((n, c))
+    for i in range(n):
+        p = prompts[i // g]
+        logits = model(mx.concatenate([p, comp[i]])[None])[0, p.shape[0] - 1 : -1]
+        logits = logits.astype(mx.float32)
+        log_p = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ent[i] = np.array(-(mx.softmax(logits, axis=-1) * log_p).sum(-1))
+        logp[i] = np.array(mx.take_along_axis(log_p, comp[i][:, None], axis=-1)[:, 0])
+    on = np.array(mask)
+    sampled, shown = on * (1 - demo[:, None]), on * demo[:, None]
+    k = tiny_additions(vars(model.args))
+    plain_loss, plain, plain_g = update(None)
+    assert not any(key.startswith("guidance/") for key in plain)
+    assert_f32_close(plain["entropy"], (ent * on).sum() / on.sum(), k, "entropy, no demos")
+    for budget in (None, 20):
+        loss, m, grads = update(mx.array(demo), budget)
+        assert_f32_close(m["entropy"], (ent * sampled).sum() / sampled.sum(), k, "entropy")
+        assert_f32_close(m["guidance/entropy"], (ent * shown).sum() / shown.sum(), k, "demo H")
+        assert_f32_close(m["guidance/logp"], (logp * shown).sum() / shown.sum(), k, "demo logp")
+        assert m["guidance/token_frac"] == pytest.approx(shown.sum() / on.sum(), rel=1e-6)
+        assert_f32_close(loss, plain_loss, k, "loss")
+        for key in plain_g:
+            assert_f32_close(grads[key], plain_g[key], k, key)
+    # The split is not a rounding effect: the two kinds of rows differ here.
+    assert abs(m["entropy"] - plain["entropy"]) > 1e-3

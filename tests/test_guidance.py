@@ -211,11 +211,16 @@ def test_guided_update_learns_the_demonstration_and_logs_on_policy_figures(
         assert "guidance/groups" not in off
         assert on["guidance/groups"] == 2 and on["groups/trained"] == 2
         assert on["adapter/delta_norm"] > 0
+        # The demonstration rows are reported apart: 2 of the update's 8 rows here.
+        assert 0 < on["guidance/token_frac"] < 1 and on["guidance/logp"] < 0
+        assert on["guidance/entropy"] > 0 and on["entropy"] > 0
         for key in ["reward/mean", "reward/match", "groups/zero_variance_frac"]:
             assert on[key] == off[key], key
         assert on["groups/zero_variance_frac"] == 1.0 and on["reward/mean"] == 0.0
         curriculum = [k for k in off if k.startswith("curriculum/")]
         assert curriculum and all(on[k] == off[k] for k in curriculum)
+    # The policy takes the demonstrations in over the run.
+    assert runs["on"][-1]["guidance/logp"] > runs["on"][0]["guidance/logp"] + 0.1
 
     recipe = Recipe(str(recipe_dir), {"match": 1.0}, {})
     task = recipe.tasks("eval", 1, 0)[0]  # held out: the update never saw its prompt
