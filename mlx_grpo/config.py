@@ -186,6 +186,16 @@ class GRPOConfig(_Section):
         "stay on-policy (`entropy` too: guidance/entropy and guidance/logp report "
         "the demonstrations' tokens); guidance/groups counts the groups it filled.",
     )
+    guidance_advantage: Literal["group", "demonstration"] = Field(
+        "group",
+        description="The advantages of a guided group. group (LUFFY): over the group "
+        "with the demonstration in; every sample scored below it, so every sample is "
+        "pushed down, and pushing down many sampled tokens raises the policy's entropy. "
+        "demonstration: the samples keep the advantages of their own group (0 when they "
+        "all scored the same) and only the demonstration takes its advantage in the "
+        "group: it is pushed up, and nothing is pushed down that sampling alone would "
+        "not have pushed down.",
+    )
     logits_chunk: int = Field(
         1 << 24,
         ge=1 << 16,

@@ -14,6 +14,8 @@ surrogate is a policy-gradient step toward the demonstration, weighted by its ad
 
 from __future__ import annotations
 
+import numpy as np
+
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.env import Episode
 from mlx_grpo.recipe import Recipe, Scored, Task
@@ -120,3 +122,18 @@ def guide_groups(
         scored[i * g : (i + 1) * g] = new
         changed += [(i * g + j, s.reward) for j, s in enumerate(new) if s is not group[j]]
     return changed
+
+
+def demonstration_advantages(
+    guided: np.ndarray, sampled: np.ndarray, demo_rows: list[int]
+) -> np.ndarray:
+    """`grpo.guidance_advantage="demonstration"`: each row's advantage in its own
+    sampled group (`sampled`, from the on-policy rewards), except the demonstration
+    rows, which keep theirs in the group with the demonstration in (`guided`).
+
+    >>> demonstration_advantages(np.array([2.5, -0.5, -0.5]), np.zeros(3), [0]).tolist()
+    [2.5, 0.0, 0.0]
+    """
+    out = np.array(sampled, dtype=np.float32, copy=True)
+    out[demo_rows] = np.asarray(guided)[demo_rows]
+    return out

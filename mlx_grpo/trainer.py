@@ -39,7 +39,7 @@ from mlx_grpo.grpo import (
     split_guided,
     zero_variance_groups,
 )
-from mlx_grpo.guidance import guide_groups
+from mlx_grpo.guidance import demonstration_advantages, guide_groups
 from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled
@@ -306,6 +306,11 @@ def train(
                     recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say
                 )
                 share["guided"] = [(mine.start * g + row, reward) for row, reward in changed]
+                share["demos"] = [
+                    mine.start * g + row
+                    for row, c in enumerate(rollout.completions)
+                    if c.demonstration
+                ]
                 share["guidance_seconds"] = time.perf_counter() - tic
             tic = time.perf_counter()
             shares = dist.gather(share)
@@ -326,6 +331,12 @@ def train(
             for row, r in guided:
                 update_rewards[row] = r
             advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
+            demos = [row for sh in shares for row in sh.get("demos", ())]
+            if demos and cfg.grpo.guidance_advantage == "demonstration":
+                own = group_advantages(mx.array(rewards), g, cfg.grpo.scale_rewards)
+                advantages = mx.array(
+                    demonstration_advantages(np.array(advantages), np.array(own), demos)
+                )
             zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
             no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
             curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())

@@ -241,3 +241,40 @@ def test_a_demonstration_that_gives_up_before_the_end_is_left_out(tiny, monkeypa
     replies = iter(["ok"])
     monkeypatch.setattr(recipe.module, "demonstrate", lambda t: lambda e, o: next(replies, None))
     assert guide_groups(recipe, tok, tasks, rollout, scored, CFG) == []
+
+
+@pytest.mark.parametrize("mode", ["group", "demonstration"])
+def test_guided_advantages_push_down_the_samples_only_in_group_mode(
+    tiny_model_dir, tmp_path, monkeypatch, mode
+):
+    """Every sample of the toy scores 0 and its demonstration 1. In `group` mode the
+    advantages are those of the group with the demonstration in (numpy: (r - mean) /
+    (unbiased std + 1e-4)); in `demonstration` mode the samples keep their own group's
+    advantage, 0 here, and only the demonstration row is pushed up."""
+    import numpy as np
+
+    import mlx_grpo.trainer as trainer
+
+    seen = []
+
+    def recording_loss(model, batch, cfg):
+        seen.append((np.array(batch.advantages), np.array(batch.guided)))
+        return trainer_loss(model, batch, cfg)
+
+    trainer_loss = trainer.grpo_loss
+    monkeypatch.setattr(trainer, "grpo_loss", recording_loss)
+    args = ["--recipe", str(GUIDED), f"--model.path={tiny_model_dir}"]
+    args += [f"--output.dir={tmp_path}", "--output.run=r", "--grpo.guidance=true"]
+    assert cmd_train([*args, f"--grpo.guidance_advantage={mode}"]) == 0
+    g = 4  # the toy's group size
+    rewards = np.zeros(g)
+    rewards[-1] = 1.0  # the demonstration takes the last of the lowest samples' place
+    centred = rewards - rewards.mean()
+    mixed = centred / (np.sqrt((centred**2).sum() / (g - 1)) + 1e-4)
+    want = mixed if mode == "group" else np.where(rewards > 0, mixed, 0.0)
+    assert len(seen) == 3  # one update a step
+    for adv, guided in seen:
+        assert guided.tolist() == [0, 0, 0, 1] * 2
+        np.testing.assert_allclose(adv, np.tile(want, 2), rtol=1e-6, atol=1e-7)
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(x)["adapter/delta_norm"] > 0 for x in lines)
