@@ -255,13 +255,12 @@ def test_guided_advantages_push_down_the_samples_only_in_group_mode(
 
     import mlx_grpo.trainer as trainer
 
-    seen = []
+    seen, trainer_loss = [], trainer.grpo_loss
 
     def recording_loss(model, batch, cfg):
         seen.append((np.array(batch.advantages), np.array(batch.guided)))
         return trainer_loss(model, batch, cfg)
 
-    trainer_loss = trainer.grpo_loss
     monkeypatch.setattr(trainer, "grpo_loss", recording_loss)
     args = ["--recipe", str(GUIDED), f"--model.path={tiny_model_dir}"]
     args += [f"--output.dir={tmp_path}", "--output.run=r", "--grpo.guidance=true"]
