@@ -194,7 +194,9 @@ class GRPOConfig(_Section):
         "demonstration: the samples keep the advantages of their own group (0 when they "
         "all scored the same) and only the demonstration takes its advantage in the "
         "group: it is pushed up, and nothing is pushed down that sampling alone would "
-        "not have pushed down.",
+        "not have pushed down. The samples of a group that had no signal of its own "
+        "leave the loss (no KL term, no compute), as an unguided run skips that group; "
+        "they still count in its divisor, so a demonstration weighs as one row.",
     )
     logits_chunk: int = Field(
         1 << 24,

@@ -112,9 +112,13 @@ def build_loss_inputs(
     max_new_tokens: int,
     mask_truncated: bool,
     groups: list[int] | None = None,
+    silent: frozenset[int] = frozenset(),
 ) -> LossInputs:
     """The prompts of `groups` (default: all), their right-padded [N, C] completions
-    and the loss mask (the model's own tokens; never the environment's)."""
+    and the loss mask (the model's own tokens; never the environment's). The rows in
+    `silent` (indices into `rollout.completions`) keep their place with an empty mask:
+    they add nothing to the loss and cost nothing in its passes (`effective_lengths`),
+    but count in its divisors."""
     g = rollout.group_size
     groups = list(range(len(rollout.prompts))) if groups is None else groups
     rows = [gi * g + j for gi in groups for j in range(g)]
@@ -122,9 +126,9 @@ def build_loss_inputs(
     c_max = max(len(c.tokens) for c in comps)
     tokens = np.zeros((len(comps), c_max), dtype=np.int32)
     mask = np.zeros((len(comps), c_max), dtype=np.float32)
-    for i, c in enumerate(comps):
+    for i, (row, c) in enumerate(zip(rows, comps)):
         tokens[i, : len(c.tokens)] = c.tokens
-        if not (mask_truncated and c.truncated):
+        if not (mask_truncated and c.truncated) and row not in silent:
             mask[i, : len(c.tokens)] = 1.0 if c.loss_mask is None else c.loss_mask
     demos = [float(c.demonstration) for c in comps]
     return LossInputs(
@@ -332,12 +336,20 @@ def train(
                 update_rewards[row] = r
             advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
             demos = [row for sh in shares for row in sh.get("demos", ())]
+            zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
+            silent = frozenset()
             if demos and cfg.grpo.guidance_advantage == "demonstration":
                 own = group_advantages(mx.array(rewards), g, cfg.grpo.scale_rewards)
                 advantages = mx.array(
                     demonstration_advantages(np.array(advantages), np.array(own), demos)
                 )
-            zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
+                # The samples of a group with no signal of its own: an unguided run
+                # skips the group; here its demonstration trains alone.
+                silent = frozenset(
+                    r - mine.start * g
+                    for r in range(mine.start * g, mine.stop * g)
+                    if zero_var[r // g] and r not in demos
+                )
             no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
             curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
             train_groups = _groups_to_train(no_signal, b, cfg.grpo.skip_zero_variance_groups)
@@ -354,6 +366,7 @@ def train(
                         cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
                         cfg.grpo.mask_truncated_completions,
                         local,
+                        silent,
                     )
                     batch.entropy_coef = entropy_coef
                 it_metrics, delta, sync_s = update_step(

@@ -250,7 +250,9 @@ def test_guided_advantages_push_down_the_samples_only_in_group_mode(
     """Every sample of the toy scores 0 and its demonstration 1. In `group` mode the
     advantages are those of the group with the demonstration in (numpy: (r - mean) /
     (unbiased std + 1e-4)); in `demonstration` mode the samples keep their own group's
-    advantage, 0 here, and only the demonstration row is pushed up."""
+    advantage, 0 here, and only the demonstration row is pushed up; its samples, which
+    had no signal of their own, leave the loss (an empty mask) and the demonstration
+    trains alone."""
     import numpy as np
 
     import mlx_grpo.trainer as trainer
@@ -258,7 +260,7 @@ def test_guided_advantages_push_down_the_samples_only_in_group_mode(
     seen, trainer_loss = [], trainer.grpo_loss
 
     def recording_loss(model, batch, cfg):
-        seen.append((np.array(batch.advantages), np.array(batch.guided)))
+        seen.append((np.array(batch.advantages), np.array(batch.guided), np.array(batch.mask)))
         return trainer_loss(model, batch, cfg)
 
     monkeypatch.setattr(trainer, "grpo_loss", recording_loss)
@@ -272,8 +274,12 @@ def test_guided_advantages_push_down_the_samples_only_in_group_mode(
     mixed = centred / (np.sqrt((centred**2).sum() / (g - 1)) + 1e-4)
     want = mixed if mode == "group" else np.where(rewards > 0, mixed, 0.0)
     assert len(seen) == 3  # one update a step
-    for adv, guided in seen:
+    for adv, guided, mask in seen:
         assert guided.tolist() == [0, 0, 0, 1] * 2
         np.testing.assert_allclose(adv, np.tile(want, 2), rtol=1e-6, atol=1e-7)
+        in_loss = mask.sum(axis=1) > 0
+        assert in_loss.tolist() == (
+            [True] * 8 if mode == "group" else [False, False, False, True] * 2
+        )
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(x)["adapter/delta_norm"] > 0 for x in lines)
