@@ -183,8 +183,9 @@ class GRPOConfig(_Section):
         "demonstration takes the lowest-scoring sample's place, so tasks the policy "
         "cannot solve yet still point it to a solution. "
         "Only the update sees it: reward metrics, the curriculum and the samples log "
-        "stay on-policy (`entropy` too: guidance/entropy and guidance/logp report "
-        "the demonstrations' tokens); guidance/groups counts the groups it filled.",
+        "stay on-policy (`entropy` and `kl` too: guidance/entropy, guidance/kl and "
+        "guidance/logp report the demonstrations' tokens); guidance/groups counts the "
+        "groups it filled.",
     )
     guidance_advantage: Literal["group", "demonstration"] = Field(
         "group",

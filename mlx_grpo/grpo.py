@@ -285,7 +285,7 @@ def masked_mean(x: mx.array, mask: mx.array, total_tokens: float | None = None) 
 # The demonstration rows' share of the loss tokens and of the token sums of entropy and
 # log-prob (each divided by the batch's token count, so they add up over pieces and
 # ranks like the rest); `split_guided` turns them into per-token means.
-GUIDED_PARTS = ("guided/token_frac", "guided/entropy_frac", "guided/logp_frac")
+GUIDED_PARTS = ("guided/token_frac", "guided/entropy_frac", "guided/logp_frac", "guided/kl_frac")
 LOSS_METRICS = ("loss/policy", "kl", "clip/frac", "ratio/mean", "entropy", *GUIDED_PARTS)
 
 
@@ -345,30 +345,37 @@ def objective(
         "entropy": mean_entropy,
     }
     demo = mask * (0.0 if batch.guided is None else batch.guided[:, None])
-    for key, x in zip(GUIDED_PARTS, (1.0, entropy, logp)):
+    for key, x in zip(GUIDED_PARTS, (1.0, entropy, logp, kl)):
         metrics[key] = masked_mean(x, demo, tokens if tokens is not None else mask.sum())
     return loss, {k: mx.stop_gradient(v) for k, v in metrics.items()}
 
 
 def split_guided(metrics: dict) -> dict:
-    """`metrics` of an update with the demonstration rows reported apart: `entropy` over
-    the policy's own samples only (what the entropy guard watches), and
-    `guidance/entropy`, `guidance/logp` (the mean log-prob of a demonstration token: it
-    rises as the policy takes the demonstrations in) and `guidance/token_frac`, when
-    demonstrations were in the batch; without them, `metrics` as they are.
+    """`metrics` of an update with the demonstration rows reported apart: `entropy` and
+    `kl` over the policy's own samples only (what the guards watch; on a token the
+    policy did not sample, k3 is no estimate of the KL), and `guidance/entropy`,
+    `guidance/kl`, `guidance/logp` (the mean log-prob of a demonstration token: it rises
+    as the policy takes the demonstrations in) and `guidance/token_frac`, when
+    demonstrations were in the batch; without them, `metrics` as they are. An update of
+    demonstrations alone has no `entropy` or `kl`.
 
-    >>> split_guided({"entropy": 0.5, "guided/token_frac": 0.5,
-    ...               "guided/entropy_frac": 0.125, "guided/logp_frac": -0.5})
-    {'entropy': 0.75, 'guidance/entropy': 0.25, 'guidance/logp': -1.0, 'guidance/token_frac': 0.5}
+    >>> split_guided({"entropy": 0.5, "kl": 0.25, "guided/token_frac": 0.5,
+    ...               "guided/entropy_frac": 0.125, "guided/logp_frac": -0.5,
+    ...               "guided/kl_frac": 0.25})  # doctest: +NORMALIZE_WHITESPACE
+    {'entropy': 0.75, 'kl': 0.0, 'guidance/entropy': 0.25, 'guidance/logp': -1.0,
+     'guidance/kl': 0.5, 'guidance/token_frac': 0.5}
     """
     out = {k: v for k, v in metrics.items() if k not in GUIDED_PARTS}
     frac = metrics.get("guided/token_frac", 0.0)
     if frac <= 0:
         return out
-    if frac < 1:  # else no sampled token entered the update: `entropy` stays as it is
-        out["entropy"] = (metrics["entropy"] - metrics["guided/entropy_frac"]) / (1 - frac)
-    out["guidance/entropy"] = metrics["guided/entropy_frac"] / frac
-    out["guidance/logp"] = metrics["guided/logp_frac"] / frac
+    for key in ("entropy", "kl"):
+        if frac < 1:
+            out[key] = (metrics[key] - metrics[f"guided/{key}_frac"]) / (1 - frac)
+        else:  # no sampled token entered the update
+            del out[key]
+    for key in ("entropy", "logp", "kl"):
+        out[f"guidance/{key}"] = metrics[f"guided/{key}_frac"] / frac
     out["guidance/token_frac"] = frac
     return out
 

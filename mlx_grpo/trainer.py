@@ -374,7 +374,7 @@ def train(
                     len(train_groups) * g,
                 )  # fmt: skip
             update_s = time.perf_counter() - tic
-            if it_metrics:
+            if it_metrics and "entropy" in it_metrics[-1]:  # (not from demonstrations alone)
                 entropy = it_metrics[-1]["entropy"]
                 counters.entropy_coef = next_entropy_coef(entropy_coef, entropy, cfg.grpo)
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import assert_f32_close, tiny_additions
+from conftest import assert_f32_close, f32_tolerance, tiny_additions
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.config import GRPOConfig, LoRAConfig
@@ -596,7 +596,9 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     """With demonstrations in the batch (grpo.guidance), `entropy` is the token mean over
     the sampled rows only, and `guidance/entropy` and `guidance/logp` the token means
     over the demonstration rows, each against the model's full logits through MLX's own
-    softmax; whole or in micro-batches; the loss and its gradient do not change."""
+    softmax; `kl` and `guidance/kl` likewise, the k3 estimate from those log-probs;
+    whole or in micro-batches; the loss and its gradient do not change. A batch of
+    demonstrations alone has no on-policy `entropy` or `kl`."""
     from mlx_grpo.dist import Dist
     from mlx_grpo.grpo import split_guided
     from mlx_grpo.trainer import policy_gradient
@@ -610,11 +612,12 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     adv = mx.array(np.random.default_rng(6).normal(size=n).astype(np.float32))
     demo = np.zeros(n, np.float32)
     demo[[3, 4]] = 1.0  # the last row of group 0, the first of group 1
-    cfg = GRPOConfig(beta=0.0)
+    cfg = GRPOConfig(beta=0.04)
     grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
+    ref = None  # set below, from the model's own log-probs
 
     def update(guided, max_positions=None):
-        batch = LossInputs(prompts, comp, mask, adv, None, None, c, guided=guided)
+        batch = LossInputs(prompts, comp, mask, adv, None, ref, c, guided=guided)
         loss, m, grads, _, _ = policy_gradient(model, grad_fn, batch, Dist(), 1e9, max_positions)
         return loss, split_guided({k: v.item() for k, v in m.items()}), dict(tree_flatten(grads))
 
@@ -630,17 +633,35 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     on = np.array(mask)
     sampled, shown = on * (1 - demo[:, None]), on * demo[:, None]
     k = tiny_additions(vars(model.args))
+    # A reference about a nat from the policy: k3 = e^d - d - 1, d = ref - logp.
+    d = np.random.default_rng(7).normal(size=(n, c))
+    ref = mx.array((logp + d).astype(np.float32))
+    k3 = np.expm1(d) - d
+
+    def assert_kl_close(got, rows, what):
+        """k3 amplifies the error of log p by |dk3/dlogp| = |e^d - 1| per token."""
+        want = (k3 * rows).sum() / rows.sum()
+        cond = (np.abs(np.expm1(d)) * np.abs(logp) * rows).sum() / (k3 * rows).sum()
+        assert abs(got - want) <= f32_tolerance(k) * (1 + cond) * want, (what, got, want)
+
     plain_loss, plain, plain_g = update(None)
     assert not any(key.startswith("guidance/") for key in plain)
     assert_f32_close(plain["entropy"], (ent * on).sum() / on.sum(), k, "entropy, no demos")
+    assert_kl_close(plain["kl"], on, "kl, no demos")
     for budget in (None, 20):
         loss, m, grads = update(mx.array(demo), budget)
         assert_f32_close(m["entropy"], (ent * sampled).sum() / sampled.sum(), k, "entropy")
         assert_f32_close(m["guidance/entropy"], (ent * shown).sum() / shown.sum(), k, "demo H")
         assert_f32_close(m["guidance/logp"], (logp * shown).sum() / shown.sum(), k, "demo logp")
+        assert_kl_close(m["kl"], sampled, "kl")
+        assert_kl_close(m["guidance/kl"], shown, "demo kl")
         assert m["guidance/token_frac"] == pytest.approx(shown.sum() / on.sum(), rel=1e-6)
         assert_f32_close(loss, plain_loss, k, "loss")
         for key in plain_g:
             assert_f32_close(grads[key], plain_g[key], k, key)
     # The split is not a rounding effect: the two kinds of rows differ here.
     assert abs(m["entropy"] - plain["entropy"]) > 1e-3
+    assert abs(m["kl"] - plain["kl"]) > 1e-3
+    _, alone, _ = update(mx.ones(n))
+    assert "entropy" not in alone and "kl" not in alone
+    assert_kl_close(alone["guidance/kl"], on, "kl, demonstrations alone")
