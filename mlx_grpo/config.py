@@ -94,6 +94,12 @@ class RolloutConfig(_Section):
         description="Sample with each float32 LoRA layer folded into its base weight: one "
         "matmul per layer instead of three, for a transient copy of those weights.",
     )
+    compile_decode: bool = Field(
+        False,
+        description="Decode with one compiled graph per token (mlx_grpo.decode: a "
+        "fixed-capacity KV cache, the model call and the keyed draw fused), instead of "
+        "mlx_lm's op-by-op batch generator; the same tokens for the same keys.",
+    )
 
 
 class GRPOConfig(_Section):

@@ -26,6 +26,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 
 from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
+from mlx_grpo.decode import CompiledDecoder, supported
 from mlx_grpo.env import Env, Episode
 from mlx_grpo.models import adapters_folded
 
@@ -159,17 +160,25 @@ class KeyedSampler:
         stream (the samplers share their settings); each key moves on one split."""
         first = samplers[0]
         keys = first.key[None] if len(samplers) == 1 else mx.stack([s.key for s in samplers])
-        pairs = mx.vmap(mx.random.split)(keys)  # [n, 2, 2]: the next key, this draw's
+        tokens, keys = first.draw_rows(keys, logprobs)
         for i, s in enumerate(samplers):
-            s.key = pairs[i, 0]
+            s.key = keys[i]
+        return tokens
+
+    def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
+        """(one token per row of `logprobs`, each row's next key) at this sampler's
+        settings, row i drawn from `keys[i]` ([n, 2]): the pure function under `draw`,
+        which a compiled decode step (`mlx_grpo.decode`) calls too."""
+        pairs = mx.vmap(mx.random.split)(keys)  # [n, 2, 2]: the next key, this draw's
         u = fastmath.uniform_rows(pairs[:, 1])
-        if first.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
-            ids, vals = top_k_candidates(logprobs, first.top_k, first.top_p)
-            pick = fastmath.categorical(vals * (1 / first.temp), u=u)
-            return mx.take_along_axis(ids, pick[..., None].astype(mx.int32), axis=-1).squeeze(-1)
-        for f in first.filters:
+        if self.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
+            ids, vals = top_k_candidates(logprobs, self.top_k, self.top_p)
+            pick = fastmath.categorical(vals * (1 / self.temp), u=u)
+            tokens = mx.take_along_axis(ids, pick[..., None].astype(mx.int32), axis=-1)
+            return tokens.squeeze(-1), pairs[:, 0]
+        for f in self.filters:
             logprobs = f(logprobs)
-        return fastmath.categorical(logprobs * (1.0 / first.temp), u=u)
+        return fastmath.categorical(logprobs * (1.0 / self.temp), u=u), pairs[:, 0]
 
 
 class _GenerationBatch(GenerationBatch):
@@ -203,6 +212,17 @@ class _GenerationBatch(GenerationBatch):
         for sti, ti in zip(self.tokens, inputs):
             sti.append(ti)
         return inputs, self._current_logprobs
+
+
+def compiled_decode_applies(samplers: list | None, caches: list[list]) -> bool:
+    """Whether `mlx_grpo.decode` can take a turn: keyed samplers of one setting (the
+    draw it compiles) on plain KV caches."""
+    return (
+        bool(samplers)
+        and all(isinstance(s, KeyedSampler) for s in samplers)
+        and all(s.settings == samplers[0].settings for s in samplers)
+        and supported(caches)
+    )
 
 
 def keyed_samplers(cfg: RolloutConfig, keys: mx.array) -> list[KeyedSampler]:
@@ -266,6 +286,12 @@ def _decode(
     sampled id, so a next turn feeds only what follows."""
     n = len(tails)
     samplers = sampler if isinstance(sampler, list) else None
+    if cfg.compile_decode and compiled_decode_applies(samplers, caches):
+        decoder = getattr(model, "_compiled_decoder", None)
+        if decoder is None:
+            decoder = model._compiled_decoder = CompiledDecoder(model)
+        stop = set(tokenizer.eos_token_ids)
+        return decoder(tails, caches, cfg.max_new_tokens, stop, samplers)
     gen = BatchGenerator(
         model,
         max_tokens=cfg.max_new_tokens,

@@ -1,0 +1,190 @@
+"""Compiled batch decoding (`rollout.compile_decode`): one `mx.compile`d call per token.
+
+mlx_lm's batch generator runs each decode step op by op, with a KV cache that grows
+(and so changes shape) at every token; on a CPU most of a small model's decode time is
+then the dispatch of its hundreds of small ops (norms, rotary, activations, the
+sampler), not arithmetic. Here the rows of a turn share one fixed-capacity cache
+(`StaticCache`): keys and values are written at an index that is an array, and every
+step attends over the whole capacity through a mask, so all steps of a turn have the
+same shapes and run one compiled graph (model call, log-softmax and the keyed draw).
+
+The cache of row i holds, from left to right: padding; its prefix (`caches[i]`, ending
+at column P for every row); a gap; its tail but the last token (ending at column L);
+then one column per step. The mask keeps the padding and the gap out of every query,
+and the rotary positions skip the gap, so each row computes what it would alone: the
+same tokens as the op-by-op path (`rollout._decode`) for the same keys, up to float32
+rounding of the attention over a longer (masked) row.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from mlx_grpo import fastmath
+
+CAPACITY_STEP = 256  # columns: turns whose contexts round to the same size share a trace
+
+
+class StaticCache:
+    """One layer's KV cache for a batch: [B, H, capacity, D] keys and values, written at
+    column `pos` (an array, the same for every row). Speaks the part of mlx_lm's cache
+    protocol that attention layers use: `offset` (the rotary position of each row's
+    next token), `update_and_fetch`, `make_mask`."""
+
+    def __init__(self, keys, values, pos, left, prefix_end, tail_start, shift):
+        self.keys, self.values, self.pos = keys, values, pos
+        self.left, self.prefix_end, self.tail_start, self.shift = (
+            left,
+            prefix_end,
+            tail_start,
+            shift,
+        )
+
+    @property
+    def offset(self) -> mx.array:
+        return self.pos - self.shift
+
+    def update_and_fetch(self, keys, values):
+        self.keys = mx.slice_update(self.keys, keys, self.pos[None], axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.pos[None], axes=(2,))
+        self.pos = self.pos + keys.shape[2]
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, **kwargs) -> mx.array:
+        """[B, 1, n, capacity]: the n queries from column `pos` see their row's prefix,
+        its tail up to themselves, and themselves (a padding query in the gap must see
+        something, or its softmax is NaN)."""
+        k = mx.arange(self.keys.shape[2])[None, None, None, :]
+        q = (self.pos + mx.arange(n))[None, None, :, None]
+        per_row = lambda x: x[:, None, None, None]  # noqa: E731
+        prefix = (k >= per_row(self.left)) & (k < self.prefix_end)
+        tail = (k >= per_row(self.tail_start)) & (k <= q)
+        return prefix | tail | (k == q)
+
+
+def supported(caches: list[list]) -> bool:
+    """Whether every layer of every row is a plain `KVCache` (no rotating window, no
+    quantized keys, no recurrent state): what `StaticCache` stands in for."""
+    plain = all(type(c) is KVCache for row in caches for c in row)
+    return plain and any(row[0].offset > 0 for row in caches)
+
+
+class CompiledDecoder:
+    """Samples one turn for a batch of rows with a compiled step; built once per model
+    and reused (its traces are keyed by batch size and capacity)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._steps: dict[tuple, object] = {}
+        self.traces = 0  # compiled shapes so far (for tests and logs)
+
+    def _step(self, sampler, n_layers: int):
+        settings = sampler.settings
+        if settings not in self._steps:
+            model = self.model
+
+            def step(tokens, keys, pos, left, prefix_end, tail_start, shift, *kv):
+                self.traces += 1  # runs only while tracing
+                cache = [
+                    StaticCache(kv[2 * i], kv[2 * i + 1], pos, left, prefix_end, tail_start, shift)
+                    for i in range(n_layers)
+                ]
+                logits = model(tokens[:, None], cache=cache)[:, -1, :]
+                nxt, keys = sampler.draw_rows(keys, fastmath.log_softmax(logits))
+                nxt = nxt.astype(mx.int32)
+                out = [a for c in cache for a in (c.keys, c.values)]
+                return (nxt, keys, cache[0].pos, *out)
+
+            self._steps[settings] = mx.compile(step, inputs=model.state)
+        return self._steps[settings]
+
+    def __call__(self, tails, caches, max_tokens: int, stop_ids, samplers):
+        """As `rollout._decode`: per row, (sampled ids, "stop" or "length", its own
+        cache holding `caches[i]`, the tail and every sampled id). `samplers` are
+        `KeyedSampler`s of one setting; each ends with the key the op-by-op path
+        leaves it (one split per draw, including the draw after its last token)."""
+        model, b = self.model, len(tails)
+        n_layers = len(caches[0])
+        plens = [c[0].offset for c in caches]
+        rests = [len(t) - 1 for t in tails]
+        p_end, r_max = max(plens), max(rests)
+        width = p_end + r_max  # L: the column of the tails' last tokens
+        cap = -(-(width + max_tokens + 1) // CAPACITY_STEP) * CAPACITY_STEP
+        left = [p_end - n for n in plens]
+        tail_start = [width - r for r in rests]
+        full = caches[plens.index(p_end)]  # a row with keys, for their shape
+        layers = []
+        for li in range(n_layers):
+            for part in ("keys", "values"):
+                like = getattr(full[li], part)
+                h, d, dtype = like.shape[1], like.shape[3], like.dtype
+                rows = []
+                for row, n, a in zip(caches, plens, left):
+                    x = getattr(row[li], part)
+                    x = mx.zeros((1, h, 0, d), dtype) if x is None else x[..., :n, :]
+                    pads = mx.zeros((1, h, a, d), dtype), mx.zeros((1, h, cap - p_end, d), dtype)
+                    rows.append(mx.concatenate([pads[0], x, pads[1]], axis=2))
+                layers.append(mx.concatenate(rows))
+        meta = (
+            mx.array(left),
+            mx.array(p_end),
+            mx.array(tail_start),
+            mx.array([s - n for s, n in zip(tail_start, plens)]),
+        )
+        pos = mx.array(p_end)
+        if r_max:  # the tails but their last tokens, right-aligned at column L (eagerly)
+            rows = [[0] * (r_max - r) + t[:-1] for t, r in zip(tails, rests)]
+            cache = [
+                StaticCache(layers[2 * i], layers[2 * i + 1], pos, *meta) for i in range(n_layers)
+            ]
+            model(mx.array(rows), cache=cache)
+            layers = [a for c in cache for a in (c.keys, c.values)]
+            pos = cache[0].pos
+        step = self._step(samplers[0], n_layers)
+        keys = mx.stack([s.key for s in samplers])
+        tokens = mx.array([t[-1] for t in tails])
+        out: list[list[int]] = [[] for _ in range(b)]
+        finish: list[str | None] = [None] * b
+        final_keys: list[mx.array | None] = [None] * b
+        nxt, keys, pos, *layers = step(tokens, keys, pos, *meta, *layers)
+        mx.async_eval(nxt)
+        while True:
+            # Queue the next step (it feeds this step's tokens) before reading them.
+            live = [i for i in range(b) if finish[i] is None]
+            after, after_keys, after_pos, *after_layers = step(nxt, keys, pos, *meta, *layers)
+            mx.async_eval(after)
+            drawn = nxt.tolist()
+            for i in live:
+                out[i].append(drawn[i])
+                if drawn[i] in stop_ids:
+                    finish[i] = "stop"
+                elif len(out[i]) >= max_tokens:
+                    finish[i] = "length"
+                if finish[i] is not None:  # the step just queued fed its last token
+                    final_keys[i] = after_keys[i]
+            nxt, keys, pos, layers = after, after_keys, after_pos, after_layers
+            if all(f is not None for f in finish):
+                break
+        mx.eval(layers, final_keys)
+        for s, k in zip(samplers, final_keys):
+            s.key = k
+        results = []
+        for i in range(b):
+            end = width + 1 + len(out[i])  # its tail's last token and every sampled id
+            row_cache = []
+            for li in range(n_layers):
+                c = KVCache()
+                k, v = layers[2 * li][i : i + 1], layers[2 * li + 1][i : i + 1]
+                c.keys = mx.concatenate(
+                    [k[..., left[i] : p_end, :], k[..., tail_start[i] : end, :]], axis=2
+                )
+                c.values = mx.concatenate(
+                    [v[..., left[i] : p_end, :], v[..., tail_start[i] : end, :]], axis=2
+                )
+                c.offset = c.keys.shape[2]
+                row_cache.append(c)
+            results.append((out[i], finish[i], row_cache))
+        mx.eval([c.state for _, _, row in results for c in row])
+        return results
