@@ -47,7 +47,13 @@ class FixedOrder:
 
 
 def config(
-    steps: int, group: int, max_new_tokens: int, model: str, out_dir: str, compile: bool = False
+    steps: int,
+    group: int,
+    max_new_tokens: int,
+    model: str,
+    out_dir: str,
+    compile: bool = False,
+    compile_decode: bool | None = None,
 ):
     from mlx_grpo.config import build_config
 
@@ -63,6 +69,7 @@ def config(
                 "temperature": wu.TEMPERATURE,
                 "top_p": wu.TOP_P,
                 "top_k": wu.TOP_K,
+                **({} if compile_decode is None else {"compile_decode": compile_decode}),
             },
             "grpo": {
                 "num_generations": group,
@@ -99,6 +106,12 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compile", action="store_true", help="--grpo.compile=true")
+    p.add_argument(
+        "--compile-decode",
+        choices=["true", "false"],
+        default=None,
+        help="--rollout.compile_decode (default: the config's default)",
+    )
     args = p.parse_args(argv)
     clock = wu.StepClock(args.t0 or time.time())
 
@@ -111,7 +124,10 @@ def main(argv=None) -> None:
     from mlx_grpo.trainer import build_optimizer, train
 
     with tempfile.TemporaryDirectory() as out_dir:
-        cfg = config(args.steps, args.group, args.max_new_tokens, args.model, out_dir, args.compile)
+        decode = None if args.compile_decode is None else args.compile_decode == "true"
+        cfg = config(
+            args.steps, args.group, args.max_new_tokens, args.model, out_dir, args.compile, decode
+        )
         recipe = Recipe(cfg.recipe.name, cfg.recipe.weights, cfg.recipe.params)
         model, tokenizer = load_model(cfg.model)
         apply_lora(model, cfg.lora, seed=cfg.train.seed)
