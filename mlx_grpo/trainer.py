@@ -393,6 +393,8 @@ def train(
                 metrics["entropy/coef"] = entropy_coef  # the weight this step's update used
             if cfg.grpo.compile:
                 metrics["compile/traces"] = loss_and_grad.traces
+            if (decoder := getattr(model, "_compiled_decoder", None)) is not None:
+                metrics["compile/decode_traces"] = decoder.traces
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
             _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)

@@ -103,5 +103,8 @@ def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_pat
             json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         ]
         logs[name + "/m"] = [(m["reward/mean"], m["completion/len_mean"]) for m in metrics]
+        logs[name + "/traces"] = [m.get("compile/decode_traces") for m in metrics]
     assert logs["compiled"] == logs["plain"] and logs["plain"]
     assert logs["compiled/m"] == logs["plain/m"]
+    assert logs["plain/traces"] == [None, None]
+    assert 0 < logs["compiled/traces"][0] <= logs["compiled/traces"][1]
