@@ -148,43 +148,62 @@ class CompiledDecoder:
         out: list[list[int]] = [[] for _ in range(b)]
         finish: list[str | None] = [None] * b
         final_keys: list[mx.array | None] = [None] * b
+        caches_out: list[list | None] = [None] * b
+        rows = list(range(b))  # the original index of each row of the batch
+
+        def extract(j: int, i: int) -> list:
+            """Row i's own cache from batch row j: its prefix, its tail, its ids."""
+            end = width + 1 + len(out[i])  # its tail's last token and every sampled id
+            parts = []
+            for x in layers:
+                x = x[j : j + 1]
+                parts.append(
+                    mx.concatenate(
+                        [x[..., left[i] : p_end, :], x[..., tail_start[i] : end, :]], axis=2
+                    )
+                )
+            own = []
+            for li in range(n_layers):
+                c = KVCache()
+                c.keys, c.values = parts[2 * li], parts[2 * li + 1]
+                c.offset = c.keys.shape[2]
+                own.append(c)
+            return own
+
         nxt, keys, pos, *layers = step(tokens, keys, pos, *meta, *layers)
         mx.async_eval(nxt)
         while True:
             # Queue the next step (it feeds this step's tokens) before reading them.
-            live = [i for i in range(b) if finish[i] is None]
             after, after_keys, after_pos, *after_layers = step(nxt, keys, pos, *meta, *layers)
             mx.async_eval(after)
             drawn = nxt.tolist()
-            for i in live:
-                out[i].append(drawn[i])
-                if drawn[i] in stop_ids:
+            for j, i in enumerate(rows):
+                if finish[i] is not None:
+                    continue
+                out[i].append(drawn[j])
+                if drawn[j] in stop_ids:
                     finish[i] = "stop"
                 elif len(out[i]) >= max_tokens:
                     finish[i] = "length"
                 if finish[i] is not None:  # the step just queued fed its last token
-                    final_keys[i] = after_keys[i]
+                    final_keys[i] = after_keys[j]
             nxt, keys, pos, layers = after, after_keys, after_pos, after_layers
-            if all(f is not None for f in finish):
+            live = [j for j, i in enumerate(rows) if finish[i] is None]
+            if not live:
                 break
-        mx.eval(layers, final_keys)
+            if len(rows) >= 4 and 2 * len(live) <= len(rows):
+                # Half the rows have ended: they leave, and the rest decode as a
+                # smaller batch (one more compiled shape, at most log2(B) of them).
+                for j, i in enumerate(rows):
+                    if finish[i] is not None:
+                        caches_out[i] = extract(j, i)
+                take = mx.array(live)
+                nxt, keys, layers = nxt[take], keys[take], [x[take] for x in layers]
+                meta = tuple(m[take] if m.ndim else m for m in meta)
+                rows = [rows[j] for j in live]
+        for j, i in enumerate(rows):
+            caches_out[i] = extract(j, i)
+        mx.eval(final_keys, [c.state for own in caches_out for c in own])
         for s, k in zip(samplers, final_keys):
             s.key = k
-        results = []
-        for i in range(b):
-            end = width + 1 + len(out[i])  # its tail's last token and every sampled id
-            row_cache = []
-            for li in range(n_layers):
-                c = KVCache()
-                k, v = layers[2 * li][i : i + 1], layers[2 * li + 1][i : i + 1]
-                c.keys = mx.concatenate(
-                    [k[..., left[i] : p_end, :], k[..., tail_start[i] : end, :]], axis=2
-                )
-                c.values = mx.concatenate(
-                    [v[..., left[i] : p_end, :], v[..., tail_start[i] : end, :]], axis=2
-                )
-                c.offset = c.keys.shape[2]
-                row_cache.append(c)
-            results.append((out[i], finish[i], row_cache))
-        mx.eval([c.state for _, _, row in results for c in row])
-        return results
+        return [(out[i], finish[i], caches_out[i]) for i in range(b)]

@@ -38,12 +38,18 @@ def _turns(model, tok, cfg, prompts, observations, compiled: bool, seed: int):
 @pytest.mark.parametrize(
     "settings", [dict(temperature=1.5), dict(temperature=2.0, top_k=120, top_p=0.95)]
 )
-def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings):
-    """Rows of different prompt and observation lengths, some stopping at EOS and some
-    at the length limit, over three turns: the same ids and finish reasons, the same
-    keys afterwards, and per-row caches that hold the same keys and values (the
-    attention runs over a longer, masked row: float32 rounding of its sums at most)."""
+def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, monkeypatch):
+    """Rows of different prompt and observation lengths, some stopping at a stop token
+    and some at the length limit, over three turns: the same ids and finish reasons,
+    the same keys afterwards, and per-row caches that hold the same keys and values (the
+    attention runs over a longer, masked row: float32 rounding of its sums at most).
+    Rows stop at different steps, so the batch shrinks as they end (more shapes)."""
     model, tok = tiny
+    # A tenth of the vocabulary stops a reply, as EOS does (the tiny model rarely
+    # samples EOS), so that rows end at different steps.
+    stops = set(tok.eos_token_ids) | set(range(0, len(tok.vocab), 10))
+    monkeypatch.setattr(tok, "eos_token_ids", stops)
+    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
     cfg = RolloutConfig(max_new_tokens=24, **settings)
     words = ["a", "short prompt", "another, much longer prompt here", "mid length", "x y z"]
     prompts = [tok.encode(f"{w} number {i}") for i, w in enumerate(words * 2)]
@@ -57,6 +63,7 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings):
     assert got_keys == want_keys
     finishes = {f for turn in want for _, f in turn}
     assert finishes == {"stop", "length"}  # both ends are exercised
+    assert model._compiled_decoder.traces > 1  # the batch shrank
     for a, b in zip(want_caches, got_caches):
         for x, y in zip(a, b):
             assert y.offset == x.offset
