@@ -142,6 +142,7 @@ class CompiledDecoder:
             model(mx.array(rows), cache=cache)
             layers = [a for c in cache for a in (c.keys, c.values)]
             pos = cache[0].pos
+            del cache
         step = self._step(samplers[0], n_layers)
         keys = mx.stack([s.key for s in samplers])
         tokens = mx.array([t[-1] for t in tails])
@@ -175,6 +176,7 @@ class CompiledDecoder:
         while True:
             # Queue the next step (it feeds this step's tokens) before reading them.
             after, after_keys, after_pos, *after_layers = step(nxt, keys, pos, *meta, *layers)
+            layers = None  # the graph holds the last cache alone: written in place
             mx.async_eval(after)
             drawn = nxt.tolist()
             for j, i in enumerate(rows):
