@@ -10,12 +10,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.sample_utils import make_sampler
 
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.durable import append_record
 from mlx_grpo.recipe import Recipe, Task
-from mlx_grpo.rollout import make_rollout_sampler, rollout_tasks
+from mlx_grpo.rollout import GreedySampler, make_rollout_sampler, rollout_tasks
 
 MAX_EPISODES = 64  # multi-turn episodes rolled out together (their caches add up)
 
@@ -52,7 +51,7 @@ def evaluate(
     if not tasks:
         raise ValueError("evaluate: no tasks")
     if temperature == 0:
-        sampler = make_sampler(temp=0.0)
+        sampler = GreedySampler()
     else:
         sampler = make_rollout_sampler(cfg.model_copy(update={"temperature": temperature}))
     model.eval()

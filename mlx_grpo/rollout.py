@@ -214,12 +214,29 @@ class _GenerationBatch(GenerationBatch):
         return inputs, self._current_logprobs
 
 
+class GreedySampler:
+    """Greedy decoding (the held-out evaluations, `compare`): the arg-max token, as
+    mlx_lm's `make_sampler(temp=0)`; it speaks `KeyedSampler`'s `draw_rows`, so a
+    compiled decode step (`mlx_grpo.decode`) can take it too."""
+
+    settings = ("greedy",)
+
+    def __init__(self):
+        self.key = mx.random.key(0)  # unused: the draw takes no randomness
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.argmax(logprobs, axis=-1)
+
+    def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
+        return mx.argmax(logprobs, axis=-1), keys
+
+
 def compiled_decode_applies(samplers: list | None, caches: list[list]) -> bool:
-    """Whether `mlx_grpo.decode` can take a turn: keyed samplers of one setting (the
-    draw it compiles) on plain KV caches."""
+    """Whether `mlx_grpo.decode` can take a turn: keyed samplers of one setting, or a
+    greedy one (the draws it compiles), on plain KV caches."""
     return (
         bool(samplers)
-        and all(isinstance(s, KeyedSampler) for s in samplers)
+        and all(isinstance(s, (KeyedSampler, GreedySampler)) for s in samplers)
         and all(s.settings == samplers[0].settings for s in samplers)
         and supported(caches)
     )
@@ -286,12 +303,13 @@ def _decode(
     sampled id, so a next turn feeds only what follows."""
     n = len(tails)
     samplers = sampler if isinstance(sampler, list) else None
-    if cfg.compile_decode and compiled_decode_applies(samplers, caches):
+    rows = [sampler] * n if isinstance(sampler, GreedySampler) else samplers
+    if cfg.compile_decode and compiled_decode_applies(rows, caches):
         decoder = getattr(model, "_compiled_decoder", None)
         if decoder is None:
             decoder = model._compiled_decoder = CompiledDecoder(model)
         stop = set(tokenizer.eos_token_ids)
-        return decoder(tails, caches, cfg.max_new_tokens, stop, samplers)
+        return decoder(tails, caches, cfg.max_new_tokens, stop, rows)
     gen = BatchGenerator(
         model,
         max_tokens=cfg.max_new_tokens,

@@ -115,3 +115,20 @@ def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_pat
     assert logs["compiled/m"] == logs["plain/m"]
     assert logs["plain/traces"] == [None, None]
     assert 0 < logs["compiled/traces"][0] <= logs["compiled/traces"][1]
+
+
+def test_greedy_evaluation_is_the_same_with_compiled_decode(tiny):
+    """The held-out evaluation (greedy, multi-turn): the same replies either way."""
+    from mlx_grpo.evaluate import evaluate
+    from mlx_grpo.recipe import Recipe
+
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = recipe.tasks("eval", 6, 0)
+    texts = {}
+    for flag in (False, True):
+        cfg = RolloutConfig(max_new_tokens=12, max_turns=3, compile_decode=flag)
+        texts[flag] = [r.texts for r in evaluate(model, tok, recipe, tasks, cfg)]
+    assert texts[True] == texts[False]
+    assert len({t[0] for t in texts[True]}) > 1  # the tasks' episodes differ
+    assert ("greedy",) in model._compiled_decoder._steps  # it did decode them
