@@ -35,12 +35,8 @@ class StaticCache:
 
     def __init__(self, keys, values, pos, left, prefix_end, tail_start, shift):
         self.keys, self.values, self.pos = keys, values, pos
-        self.left, self.prefix_end, self.tail_start, self.shift = (
-            left,
-            prefix_end,
-            tail_start,
-            shift,
-        )
+        self.left, self.prefix_end = left, prefix_end
+        self.tail_start, self.shift = tail_start, shift
 
     @property
     def offset(self) -> mx.array:
@@ -66,7 +62,8 @@ class StaticCache:
 
 def supported(caches: list[list]) -> bool:
     """Whether every layer of every row is a plain `KVCache` (no rotating window, no
-    quantized keys, no recurrent state): what `StaticCache` stands in for."""
+    quantized keys, no recurrent state): what `StaticCache` stands in for; and at least
+    one row holds keys (their head count and width shape the batch cache)."""
     plain = all(type(c) is KVCache for row in caches for c in row)
     return plain and any(row[0].offset > 0 for row in caches)
 
