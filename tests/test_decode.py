@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from mlx_grpo.cli import cmd_train
-from mlx_grpo.config import RolloutConfig
+from mlx_grpo.config import LoRAConfig, RolloutConfig
 from mlx_grpo.decode import CAPACITY_STEP, CompiledDecoder
+from mlx_grpo.models import apply_lora
 from mlx_grpo.rollout import _decode, keyed_samplers, prefill_prompts
 
 TOY_ENV = Path(__file__).parent / "data" / "toy_env"
@@ -94,6 +95,34 @@ def test_turns_of_varied_lengths_share_a_compiled_shape(tiny):
     caches = prefill_prompts(model, prompts[:3])
     decoder([[p[-1]] for p in prompts[:3]], caches, 8, set(tok.eos_token_ids), samplers)
     assert decoder.traces == 2
+
+
+def test_the_compiled_step_reads_the_adapters_current_weights(tiny):
+    """Sampling through live LoRA layers (`rollout.fold_adapters=false`): after an update
+    changes lora_b, a step compiled before it (same shapes, no new trace) samples from
+    the new weights, as the op-by-op path does."""
+    model, tok = tiny
+    apply_lora(model, LoRAConfig(rank=4, scale=20.0))
+    cfg = RolloutConfig(max_new_tokens=16, temperature=1.0)
+    prompts = [tok.encode(f"prompt number {i}") for i in range(4)]
+    observations = [None]
+
+    def set_lora_b(seed):
+        mx.random.seed(seed)
+        for layer in model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.v_proj):
+                proj.lora_b = 0.05 * mx.random.normal(proj.lora_b.shape)
+        mx.eval(model.parameters())
+
+    runs = []
+    for seed in (1, 2):
+        set_lora_b(seed)
+        want, _, _ = _turns(model, tok, cfg, prompts, observations, False, 3)
+        got, _, _ = _turns(model, tok, cfg, prompts, observations, True, 3)
+        assert got == want
+        runs.append((want, model._compiled_decoder.traces))
+    assert runs[0][0] != runs[1][0]  # the new weights sample other tokens
+    assert runs[0][1] == runs[1][1]  # from the graph traced before the update
 
 
 def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_path):
