@@ -47,6 +47,7 @@ import sys
 import time
 from pathlib import Path
 
+from mlx_grpo import evalcache
 from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
 from mlx_grpo.evaluate import TaskResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults, recipe_dir
@@ -187,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=3, help="differing tasks to show side by side")
     p.add_argument("--out", type=Path, default=None, help="output folder")
     p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="evaluate both sides anew (by default a side evaluated before with the same "
+        "model, adapters, code, tasks and settings is read from $MLX_GRPO_CACHE/evals)",
+    )
+    p.add_argument(
         "--allow-tokenizer-mismatch",
         action="store_true",
         help="compare even when the two tokenizers encode the prompts differently",
@@ -251,12 +258,28 @@ def run_compare(argv: list[str], console=None) -> dict:
             console.print(
                 f"note: {s.name} was trained on recipe {trained_on.name}", highlight=False
             )
-    seconds, results, success = {}, {}, None
+    seconds, results, success, cached = {}, {}, None, {}
     for s in (a, b):
-        console.print(f"evaluating {s.name}: {s.describe()} ...", highlight=False)
-        results[s.flag], seconds[s.flag] = evaluate_side(
-            s, recipe, tasks, cfg, args.samples, args.temperature, args.seed, args.batch_tasks
-        )
+        key = evalcache.side_key(
+            s, cfg, recipe.dir, tasks, args.samples, args.temperature, args.seed,
+            args.batch_tasks,
+        )  # fmt: skip
+        kept = None if args.no_cache else evalcache.load(key)
+        if kept is not None:
+            results[s.flag], seconds[s.flag] = kept[0], 0.0
+            cached[s.flag] = kept[1]["saved"]
+            console.print(
+                f"{s.name}: {s.describe()}: evaluated {kept[1]['saved']} with the same model, "
+                f"code, tasks and settings ({kept[1]['seconds']:.0f} s then); --no-cache "
+                "evaluates it anew",
+                highlight=False,
+            )
+        else:
+            console.print(f"evaluating {s.name}: {s.describe()} ...", highlight=False)
+            results[s.flag], seconds[s.flag] = evaluate_side(
+                s, recipe, tasks, cfg, args.samples, args.temperature, args.seed, args.batch_tasks
+            )
+            evalcache.store(key, results[s.flag], seconds[s.flag])
         # The reward's components are known once A has played: check --success-key
         # before B's evaluation is spent.
         success = success or success_rule(args.success_key, recipe, results[s.flag])
@@ -269,7 +292,11 @@ def run_compare(argv: list[str], console=None) -> dict:
     header = [
         f"A: {a.describe()}",
         f"B: {b.describe()}",
-        f"{_setting(cfg, recipe, tasks, args)}; A {seconds['a']:.1f} s, B {seconds['b']:.1f} s",
+        f"{_setting(cfg, recipe, tasks, args)}; "
+        + ", ".join(
+            f"{f.upper()} {f'kept from {cached[f]}' if f in cached else f'{seconds[f]:.1f} s'}"
+            for f in "ab"
+        ),
     ]
     header += [
         f"warning: the reward raised on {n} samples of {s.upper()} (scored 0)"
@@ -297,6 +324,7 @@ def run_compare(argv: list[str], console=None) -> dict:
             "p_value": "paired sign-flip permutation, two-sided, "
             + ("exact" if exact else f"{stats.permutations} random flips, +1 corrected"),
             "seconds": seconds,
+            "cached": cached,  # side -> when its kept evaluation was made
             "reward_errors": errors,
         },
         "rows": report.rows,

@@ -353,3 +353,54 @@ def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: --b /nonexistent/run: no such run or model folder")
+
+
+def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
+    tiny_model_dir, toy_run, tmp_path, capsys, monkeypatch
+):
+    """The second identical compare evaluates nothing and reports what the first did;
+    new adapters, an edited recipe and --no-cache each make a side play again; a side
+    on which a reward raised is not kept."""
+    import shutil
+
+    from mlx_grpo import evalcache
+
+    monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path / "cache"))
+    played = []
+    real = cmp.evaluate_side
+
+    def spy(side, *args, **kw):
+        played.append(side.flag)
+        return real(side, *args, **kw)
+
+    monkeypatch.setattr(cmp, "evaluate_side", spy)
+    recipe = tmp_path / "toy"
+    shutil.copytree(TOY, recipe)
+    adapters = tmp_path / "adapters"
+    shutil.copytree(toy_run / "step-000001", adapters)
+    argv = ["--a", tiny_model_dir, "--b", tiny_model_dir, "--b-adapter", adapters]
+    argv += ["--recipe", recipe, "--n-tasks", 3, "--out", tmp_path / "out"]
+
+    first, _ = _compare(capsys, *argv)
+    assert played == ["a", "b"] and first["eval"]["cached"] == {}
+    second, printed = _compare(capsys, *argv)
+    assert played == ["a", "b"]  # nothing played again
+    assert set(second["eval"]["cached"]) == {"a", "b"} and "kept from" in printed
+    assert second["tasks"] == first["tasks"] and second["rows"] == first["rows"]
+
+    # Other adapter weights (step 2's, under the same folder name): B plays again.
+    shutil.copy(toy_run / "step-000002" / "adapters.safetensors", adapters)
+    third, _ = _compare(capsys, *argv)
+    assert played == ["a", "b", "b"] and set(third["eval"]["cached"]) == {"a"}
+    # An edited reward: both play again, and score with the new code.
+    tasks_py = recipe / "tasks.py"
+    tasks_py.write_text(tasks_py.read_text() + "\n# edited\n")
+    _compare(capsys, *argv)
+    assert played == ["a", "b", "b", "a", "b"]
+    _compare(capsys, *argv, "--no-cache")
+    assert played == ["a", "b", "b", "a", "b", "a", "b"]
+
+    raised = TaskResult("t", 1, [0.0], {}, ["x"], [1], errors=1)
+    assert not evalcache.store("k", [raised], 1.0) and evalcache.load("k") is None
+    assert evalcache.store("k", [TaskResult("t", 1, [0.5], {}, ["x"], [1])], 1.0)
+    assert evalcache.load("k")[0][0].rewards == [0.5]
