@@ -259,11 +259,11 @@ def run_compare(argv: list[str], console=None) -> dict:
                 f"note: {s.name} was trained on recipe {trained_on.name}", highlight=False
             )
     seconds, results, success, cached = {}, {}, None, {}
+    shared = evalcache.settings_material(
+        cfg, recipe.dir, tasks, args.samples, args.temperature, args.seed, args.batch_tasks
+    )
     for s in (a, b):
-        key = evalcache.side_key(
-            s, cfg, recipe.dir, tasks, args.samples, args.temperature, args.seed,
-            args.batch_tasks,
-        )  # fmt: skip
+        key = evalcache.side_key(s, shared)
         kept = None if args.no_cache else evalcache.load(key)
         if kept is not None:
             results[s.flag], seconds[s.flag] = kept[0], 0.0

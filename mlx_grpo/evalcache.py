@@ -94,21 +94,15 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def side_key(side, cfg, recipe_folder: Path, tasks, samples, temperature, seed, batch_tasks):
-    """The key of one side's evaluation (a hex digest); see the module docstring."""
+def settings_material(cfg, recipe_folder: Path, tasks, samples, temperature, seed, batch_tasks):
+    """What both sides of a compare share: code, libraries, backend, settings, tasks.
+    Computed once, before either side plays (which imports more modules)."""
     import mlx.core as mx
 
     from mlx_grpo._blas import blas_in_use
-    from mlx_grpo.models import resolve_model_path
 
-    adapter = None
-    if side.adapter is not None:
-        adapter = {f.name: _digest_file(f) for f in sorted(side.adapter.iterdir()) if f.is_file()}
-    material = {
+    return {
         "format": FORMAT,
-        "model": side.model.model_dump(),
-        "model_files": _model_files(resolve_model_path(side.model.path)),
-        "adapter": adapter,
         "sources": _project_sources(recipe_folder),
         "versions": _versions(),
         "python": sys.version,
@@ -117,6 +111,21 @@ def side_key(side, cfg, recipe_folder: Path, tasks, samples, temperature, seed, 
         "rollout": cfg.rollout.model_dump(),
         "tasks": [[t.id, t.level, t.messages, t.payload] for t in tasks],
         "sampling": [samples, temperature, seed, batch_tasks],
+    }
+
+
+def side_key(side, settings: dict) -> str:
+    """The key of one side's evaluation under `settings_material(...)`: a hex digest."""
+    from mlx_grpo.models import resolve_model_path
+
+    adapter = None
+    if side.adapter is not None:
+        adapter = {f.name: _digest_file(f) for f in sorted(side.adapter.iterdir()) if f.is_file()}
+    material = {
+        **settings,
+        "model": side.model.model_dump(),
+        "model_files": _model_files(resolve_model_path(side.model.path)),
+        "adapter": adapter,
     }
     blob = json.dumps(material, sort_keys=True, default=repr).encode()
     return hashlib.sha256(blob).hexdigest()

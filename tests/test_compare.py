@@ -303,6 +303,11 @@ def test_cli_module_end_to_end(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (out / "compare.json").exists() and (out / "compare.png").exists()
     assert json.loads((out / "compare.json").read_text())["rollout"]["max_new_tokens"] == 4
+    # Once more, in a new process: both sides are read from the evaluation cache.
+    again = subprocess.run(proc.args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "evaluating" not in again.stdout
+    assert json.loads((out / "compare.json").read_text())["eval"]["cached"].keys() == {"a", "b"}
 
 
 def _fake_run(folder: Path, recipe: Path) -> Path:
