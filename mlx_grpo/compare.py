@@ -264,7 +264,7 @@ def run_compare(argv: list[str], console=None) -> dict:
     )
     for s in (a, b):
         key = evalcache.side_key(s, shared)
-        kept = None if args.no_cache else evalcache.load(key)
+        kept = None if args.no_cache else evalcache.load(key, [t.id for t in tasks])
         if kept is not None:
             results[s.flag], seconds[s.flag] = kept[0], 0.0
             cached[s.flag] = kept[1]["saved"]

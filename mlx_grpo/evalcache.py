@@ -1,15 +1,23 @@
 """The held-out evaluations `python -m mlx_grpo.compare` has run, kept per machine, so
 that comparing runs against the same base evaluates the base once.
 
-An entry is found only under a key made of everything that decides the results: the
-model files (path, size and modification time of each) and the adapters' bytes, the
-source of mlx_grpo and of the recipe (its folder and every module loaded from outside
-the Python installation, such as the shared web agent and rewards), the library
-versions, the BLAS and device, the recipe and rollout settings, every task, and the
-sampling settings (samples, temperature, seed, tasks per batch). Change any of them and
-the side is evaluated again. Results in which a reward raised are not kept (a transient
-failure would otherwise stay). Entries live in `$MLX_GRPO_CACHE/evals` (by default
-~/.cache/mlx-grpo/evals); `compare --no-cache` evaluates anew and replaces them.
+An entry is found only under a key made of everything that decides the results:
+- the model: each file of its local folder by path, size, inode and times (small files,
+  the config and tokenizer among them, by their bytes) and the load settings; a Hub id
+  is never kept, since its snapshot can change under the same name;
+- the adapters' bytes (`adapters.safetensors`, `adapter_config.json`);
+- the code: the bytes of mlx_grpo, recipes and rewards, of the recipe's folder and of
+  every module loaded from outside the Python installation, and the version of every
+  installed distribution;
+- the machine: CPU identity, BLAS and threads, MLX device;
+- what is played: the recipe (folder, weights, params), the rollout settings the
+  evaluation reads, every task, and the sampling settings.
+A side is not kept when any of that cannot be read or is not plain data, nor when a
+reward raised or a sample failed for a reason that depends on the moment (a time
+limit, a crashed sandbox or browser). Entries live in `$MLX_GRPO_CACHE/evals` (by
+default ~/.cache/mlx-grpo/evals); `compare --no-cache` evaluates anew and replaces them.
+What a recipe reads from outside these (a judge model's files, the browser binary) is
+not in the key: after changing those, use `--no-cache`.
 """
 
 from __future__ import annotations
@@ -26,9 +34,11 @@ import mlx_grpo
 from mlx_grpo._paths import cache_root
 from mlx_grpo.evaluate import TaskResult
 
-FORMAT = 1
-LIBRARIES = ("mlx", "mlx-lm", "transformers", "tokenizers", "miniwob", "selenium")
+FORMAT = 2
+# Failure reasons that depend on load or timing, not on the reply alone.
+TRANSIENT = frozenset({"timeout", "cpu_time", "crashed", "bad_report", "browser"})
 _SKIP_DIRS = {"__pycache__", "docs", ".pytest_cache"}
+_SMALL = 1 << 20  # files up to this size are keyed by their bytes
 
 
 def cache_dir() -> Path:
@@ -51,101 +61,142 @@ def _files(folder: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
     return out
 
 
-def _stat(path: Path) -> list:
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+def _model_files(folder: Path) -> list:
+    """Each file by path, size, inode and times (which copies do not carry over), small
+    ones by their bytes too; hashing gigabytes of weights on every compare would cost
+    more than the evaluation it saves."""
+    out = []
+    for p in _files(folder):
+        st = p.stat()
+        small = _digest_file(p) if st.st_size <= _SMALL else None
+        out.append([str(p.resolve()), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, small])
+    return out
 
 
-def _model_files(model_path: str) -> list:
-    """Each file of a local model folder by path, size and mtime (hashing gigabytes of
-    weights on every compare would cost more than it saves); a Hub id by its local
-    snapshot when one is cached, else by name."""
-    local = Path(model_path).expanduser()
-    if not local.is_dir():
+def _installed(path: str) -> bool:
+    real = os.path.realpath(path)
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        root = os.path.realpath(prefix)
         try:
-            from huggingface_hub import snapshot_download
-
-            local = Path(snapshot_download(model_path, local_files_only=True))
-        except Exception:  # not downloaded yet: the load will fetch it (and fail if it cannot)
-            return [model_path]
-    return [_stat(p) for p in _files(local)]
+            if os.path.commonpath([real, root]) == root:
+                return True
+        except ValueError:  # another drive
+            continue
+    return False
 
 
 def _project_sources(recipe_folder: Path) -> dict[str, str]:
-    """sha256 of mlx_grpo's modules, the recipe folder's files and every other module
-    loaded from outside the Python installation (a recipe's shared helpers)."""
-    paths = set(_files(Path(mlx_grpo.__file__).parent, (".py",)))
-    paths |= set(_files(recipe_folder)) if recipe_folder.is_dir() else set()
-    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+    """sha256 of mlx_grpo, recipes and rewards, the recipe folder, and every module
+    loaded from outside the Python installation (a recipe's own helpers)."""
+    folders = [Path(mlx_grpo.__file__).parent, recipe_folder]
+    for name in ("recipes", "rewards"):
+        module = sys.modules.get(name)
+        folders += [Path(p) for p in getattr(module, "__path__", [])]
+    paths = {p for f in folders if f.is_dir() for p in _files(f)}
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
-        if file and file.endswith(".py") and not os.path.realpath(file).startswith(installed):
+        if isinstance(file, str) and file.endswith(".py") and not _installed(file):
             paths.add(Path(file))
     return {str(p.resolve()): _digest_file(p) for p in sorted(paths) if p.is_file()}
 
 
-def _versions() -> dict[str, str | None]:
-    out = {}
-    for name in LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+def _distributions() -> list[list[str]]:
+    return sorted(
+        {(d.metadata["Name"] or "?", d.version) for d in importlib.metadata.distributions()}
+    )
+
+
+def _machine() -> dict:
+    import mlx.core as mx
+
+    from mlx_grpo._blas import _cpu_signature, blas_in_use
+
+    try:
+        device = mx.device_info()
+    except Exception:  # older MLX, or a backend without it
+        device = None
+    return {
+        "cpu": _cpu_signature(),
+        "blas": blas_in_use(),
+        "device": str(mx.default_device()),
+        "device_info": device,
+        "python": sys.version,
+    }
 
 
 def settings_material(cfg, recipe_folder: Path, tasks, samples, temperature, seed, batch_tasks):
-    """What both sides of a compare share: code, libraries, backend, settings, tasks.
+    """What both sides of a compare share: code, libraries, machine, what is played.
     Computed once, before either side plays (which imports more modules)."""
-    import mlx.core as mx
-
-    from mlx_grpo._blas import blas_in_use
-
+    rollout = cfg.rollout.model_dump(exclude={"temperature"})  # --temperature decides
+    if temperature == 0:  # greedy: the sampling filters are not used
+        for k in ("top_p", "top_k", "min_p"):
+            rollout.pop(k, None)
     return {
         "format": FORMAT,
         "sources": _project_sources(recipe_folder),
-        "versions": _versions(),
-        "python": sys.version,
-        "backend": [blas_in_use(), str(mx.default_device())],
-        "recipe": cfg.recipe.model_dump(),
-        "rollout": cfg.rollout.model_dump(),
+        "distributions": _distributions(),
+        "machine": _machine(),
+        "recipe": [str(recipe_folder.resolve()), cfg.recipe.weights, cfg.recipe.params],
+        "rewards": cfg.recipe.rewards,
+        "rollout": rollout,
         "tasks": [[t.id, t.level, t.messages, t.payload] for t in tasks],
         "sampling": [samples, temperature, seed, batch_tasks],
     }
 
 
-def side_key(side, settings: dict) -> str:
-    """The key of one side's evaluation under `settings_material(...)`: a hex digest."""
+def side_key(side, settings: dict) -> str | None:
+    """The key of one side's evaluation under `settings_material(...)` (a hex digest),
+    or None when the side is not kept (a Hub id; a model, adapter or setting that
+    cannot be read or is not plain data)."""
     from mlx_grpo.models import resolve_model_path
 
-    adapter = None
-    if side.adapter is not None:
-        adapter = {f.name: _digest_file(f) for f in sorted(side.adapter.iterdir()) if f.is_file()}
-    material = {
-        **settings,
-        "model": side.model.model_dump(),
-        "model_files": _model_files(resolve_model_path(side.model.path)),
-        "adapter": adapter,
-    }
-    blob = json.dumps(material, sort_keys=True, default=repr).encode()
-    return hashlib.sha256(blob).hexdigest()
-
-
-def load(key: str) -> tuple[list[TaskResult], dict] | None:
-    """(results, {"seconds", "saved"}) of a kept evaluation, or None."""
-    path = cache_dir() / f"{key}.json"
     try:
-        data = json.loads(path.read_text())
+        folder = Path(resolve_model_path(side.model.path)).expanduser()
+        if not folder.is_dir():
+            return None  # a Hub id: the same name can load another snapshot
+        adapter = None
+        if side.adapter is not None:
+            names = ("adapters.safetensors", "adapter_config.json")  # what load_adapters reads
+            adapter = {n: _digest_file(side.adapter / n) for n in names}
+        model = side.model.model_dump(exclude={"init_adapter"})  # compare never reads it
+        if side.adapter is None:
+            settings = {**settings, "rollout": dict(settings["rollout"], fold_adapters=None)}
+        material = {
+            **settings,
+            "model": model,
+            "model_files": _model_files(folder),
+            "adapter": adapter,
+        }
+        blob = json.dumps(material, sort_keys=True)  # no fallback: not plain data, no key
+    except (OSError, TypeError, ValueError):
+        return None
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def load(key: str | None, task_ids: list[str]) -> tuple[list[TaskResult], dict] | None:
+    """(results, {"seconds", "saved"}) of a kept evaluation of these tasks, or None."""
+    if key is None:
+        return None
+    try:
+        data = json.loads((cache_dir() / f"{key}.json").read_text())
         results = [TaskResult(**r) for r in data["results"]]
+        meta = {"seconds": float(data["seconds"]), "saved": str(data["saved"])}
     except (OSError, ValueError, KeyError, TypeError):  # absent, or cut short: evaluate again
         return None
-    return results, {"seconds": data["seconds"], "saved": data["saved"]}
+    if [r.id for r in results] != task_ids:
+        return None
+    return results, meta
 
 
-def store(key: str, results: list[TaskResult], seconds: float) -> bool:
-    """Keep an evaluation (written whole or not at all); False when it is not kept: a
-    reward raised, or the cache folder cannot be written (the compare goes on)."""
-    if any(r.errors for r in results):
+def keepable(results: list[TaskResult]) -> bool:
+    """No reward raised and no sample failed for a reason of the moment."""
+    return not any(r.errors or TRANSIENT & set(r.failures) for r in results)
+
+
+def store(key: str | None, results: list[TaskResult], seconds: float) -> bool:
+    """Keep an evaluation (written whole or not at all); False when it is not kept (no
+    key, not `keepable`, or the cache folder cannot be written: the compare goes on)."""
+    if key is None or not keepable(results):
         return False
     folder = cache_dir()
     data = {

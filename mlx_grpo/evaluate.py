@@ -5,7 +5,7 @@ sampled, single- or multi-turn. Used during training (`train.eval_every`), by
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +30,7 @@ class TaskResult:
     texts: list[str]
     tokens: list[int]  # model tokens per sample
     errors: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # samples per named failure
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -71,6 +72,8 @@ def evaluate(
             r.texts.append(c.text)
             r.tokens.append(c.model_tokens)
             r.errors += s.error is not None
+            if s.failure:
+                r.failures[s.failure] = r.failures.get(s.failure, 0) + 1
             for k, v in s.components.items():
                 r.components.setdefault(k, []).append(v)
         out.extend(results.values())

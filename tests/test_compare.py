@@ -405,7 +405,21 @@ def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
     _compare(capsys, *argv, "--no-cache")
     assert played == ["a", "b", "b", "a", "b", "a", "b"]
 
+    # A run folder as B: the compare it writes into the run does not change B's key.
+    run_argv = ["--a", tiny_model_dir, "--b", toy_run, "--recipe", recipe, "--n-tasks", 3]
+    _compare(capsys, *run_argv)
+    again, _ = _compare(capsys, *run_argv)
+    assert set(again["eval"]["cached"]) == {"a", "b"}
+    # A Hub id is never kept: the same name can load another snapshot.
+    hub = sides.Side("b", "org/model", sides.ModelConfig(path="org/model"))
+    assert evalcache.side_key(hub, {}) is None
+
+    # Not kept: a reward that raised, a failure of the moment (a time limit); kept: an
+    # ordinary failure (a wrong answer), read back only for the same tasks.
     raised = TaskResult("t", 1, [0.0], {}, ["x"], [1], errors=1)
-    assert not evalcache.store("k", [raised], 1.0) and evalcache.load("k") is None
-    assert evalcache.store("k", [TaskResult("t", 1, [0.5], {}, ["x"], [1])], 1.0)
-    assert evalcache.load("k")[0][0].rewards == [0.5]
+    timed_out = TaskResult("t", 1, [0.0], {}, ["x"], [1], failures={"timeout": 1})
+    wrong = TaskResult("t", 1, [0.5], {}, ["x"], [1], failures={"wrong_answer": 1})
+    for r in (raised, timed_out):
+        assert not evalcache.store("k", [r], 1.0) and evalcache.load("k", ["t"]) is None
+    assert evalcache.store("k", [wrong], 1.0)
+    assert evalcache.load("k", ["t"])[0] == [wrong] and evalcache.load("k", ["u"]) is None
