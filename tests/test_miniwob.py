@@ -22,7 +22,7 @@ from mlx_grpo.procmem import descendants
 from mlx_grpo.recipe import Recipe
 from recipes.miniwob import browser
 from recipes.miniwob.page import MiniWoBEnv
-from recipes.miniwob.suite import SUITE_SEEDS, load_suite, play, suite_types
+from recipes.miniwob.suite import SUITE_SEEDS, load_suite, play, player, suite_types
 from recipes.miniwob.tasks import TRAIN, make_tasks, reward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,6 +146,24 @@ def test_click_type_and_select_act_on_the_page():
         == pick
     )
     env.close()
+
+
+def test_every_window_of_a_shared_browser_gets_focus_events():
+    """A group's episodes share browsers, several windows each. A page in any of them
+    must see focus as in a window of its own: focus-text-2 pays only on the `focus` event
+    of the right box (without focus emulation, 4 of these 8 episodes scored nothing)."""
+    envs = [_env("focus-text-2", SEED + i, max_steps=3) for i in range(8)]
+    try:
+        observations = [e.reset() for e in envs]
+        hosts = [e.window.browser for e in envs]
+        assert max(hosts.count(b) for b in hosts) >= 2  # windows do share a browser
+        assert all(_page_js(e, "return document.hasFocus();") for e in envs)
+        for e, observation in zip(envs, observations):
+            e.step(player("focus-text-2")(e, observation))
+        assert [e.outcome().success for e in envs] == [True] * 8
+    finally:
+        for e in envs:
+            e.close()
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,11 @@ whatever ends it. Every WebDriver command has a bounded wait (COMMAND_TIMEOUT).
 The browser is found as MINIWOB_CHROME_BINARY / MINIWOB_CHROMEDRIVER (set both), else on
 PATH (Debian's `chromium` and `chromium-driver`), else an installed Google Chrome with
 the chromedriver Selenium Manager fetches for it.
+
+Every window is told it has focus (DevTools `Emulation.setFocusEmulationEnabled`). A
+headless browser focuses one window at a time, and a page in any other window gets no
+`focus` events: with the 8 episodes of a group in 2 windows each of 4 browsers, the
+`focus-text` and `focus-text-2` scripts succeeded in 4 of 8 episodes instead of 8.
 """
 
 from __future__ import annotations
@@ -162,6 +167,11 @@ class Browser:
         )
         self.driver.set_script_timeout(COMMAND_TIMEOUT)
         self.driver.set_page_load_timeout(COMMAND_TIMEOUT)
+        # chromedriver's DevTools passthrough (what ChromiumDriver.execute_cdp_cmd calls).
+        self.driver.command_executor.add_command(
+            "executeCdpCommand", "POST", "/session/$sessionId/goog/cdp/execute"
+        )
+        self.focused: set[str] = set()  # windows with focus emulation on
 
     @property
     def load(self) -> int:
@@ -173,6 +183,13 @@ class Browser:
         else:
             self.driver.switch_to.new_window("window")
             handle = self.current = self.driver.current_window_handle
+        if handle not in self.focused:
+            self.switch(handle)
+            self.driver.execute(
+                "executeCdpCommand",
+                {"cmd": "Emulation.setFocusEmulationEnabled", "params": {"enabled": True}},
+            )
+            self.focused.add(handle)
         self.in_use.add(handle)
         return handle
 
