@@ -317,6 +317,14 @@ class CurriculumConfig(_Section):
     bandit_temperature: float = Field(
         0.1, gt=0, description="Softmax temperature of the level bandit (values in [0, 1])."
     )
+    level_explore: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the bandit's level draws made uniformly over the open levels "
+        "(each keeps at least this share over their number): a level whose groups gave no "
+        "signal yet is still visited, which matters when levels are unrelated task types.",
+    )
     start_levels: int = Field(
         2, ge=1, description="How many of the lowest levels are unlocked at the start."
     )

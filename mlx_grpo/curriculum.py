@@ -17,7 +17,8 @@ resumed run draws exactly the tasks the uninterrupted run would have drawn.
   evicts the lowest score.
 - The rest of the batch is new tasks. Their level is drawn by a bandit over the open
   levels (Self-Evolving Curriculum, arXiv 2505.14970): a level's value is a moving
-  average of the mean |advantage| its groups produced, and levels are drawn by softmax.
+  average of the mean |advantage| its groups produced, and levels are drawn by softmax,
+  mixed with a uniform draw over the open levels by `level_explore`.
 - Levels open from the bottom (`start_levels`) and the window moves up one level when
   the top open level's smoothed mean reward reaches `unlock_at`; at most `window`
   levels are open. A task whose whole group scores `retire_at` or more (twice running,
@@ -210,6 +211,8 @@ class LearnabilityCurriculum:
         levels = self.open_levels()
         v = np.array([self.value[lv] for lv in levels]) / self.cfg.bandit_temperature
         p = np.exp(v - v.max())
+        eps = self.cfg.level_explore
+        p = (1 - eps) * p / p.sum() + eps / len(levels)
         return dict(zip(levels, (p / p.sum()).tolist()))
 
     def _new_task(self, taken: set[str]) -> str | None:

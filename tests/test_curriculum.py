@@ -118,6 +118,17 @@ def test_level_bandit_and_window():
     late = Counter(t.level for batch in drawn[30:] for t in batch)
     assert late[2] > 2 * (late[1] + late[3])
 
+    # With exploration every open level keeps its floor; the bandit still leads.
+    cur = LearnabilityCurriculum(
+        _tasks(per_level=200), cfg.model_copy(update={"level_explore": 0.6}), seed=0
+    )
+    drawn = _run(cur, 60, rewards=by_level)
+    probs = cur.level_probs()
+    assert min(probs.values()) >= 0.6 / 3 - 1e-9 and probs[2] == max(probs.values())
+    assert abs(sum(probs.values()) - 1) < 1e-9
+    late = Counter(t.level for batch in drawn[30:] for t in batch)
+    assert late[3] > 0.1 * sum(late.values()) > 0  # never solved, still a fifth of draws
+
     # The window opens level by level as the top level is mastered.
     cfg = CurriculumConfig(start_levels=1, window=2, unlock_at=0.6, replay_prob=0.0)
     cur = LearnabilityCurriculum(_tasks(per_level=100, levels=(1, 2, 3, 4)), cfg, seed=0)
