@@ -171,7 +171,14 @@ class Browser:
         self.driver.command_executor.add_command(
             "executeCdpCommand", "POST", "/session/$sessionId/goog/cdp/execute"
         )
-        self.focused: set[str] = set()  # windows with focus emulation on
+        self._focus()  # the first window
+
+    def _focus(self) -> None:
+        """Focus emulation for the current window (DevTools applies it per window)."""
+        self.driver.execute(
+            "executeCdpCommand",
+            {"cmd": "Emulation.setFocusEmulationEnabled", "params": {"enabled": True}},
+        )
 
     @property
     def load(self) -> int:
@@ -183,13 +190,7 @@ class Browser:
         else:
             self.driver.switch_to.new_window("window")
             handle = self.current = self.driver.current_window_handle
-        if handle not in self.focused:
-            self.switch(handle)
-            self.driver.execute(
-                "executeCdpCommand",
-                {"cmd": "Emulation.setFocusEmulationEnabled", "params": {"enabled": True}},
-            )
-            self.focused.add(handle)
+            self._focus()
         self.in_use.add(handle)
         return handle
 
