@@ -72,3 +72,31 @@ def test_read_curve_scores_the_main_component(tmp_path):
     c = read_curve(path)
     assert c.tokens == [0, 123] and np.allclose(c.means, [0.5, 0.75])
     assert read_curve(path, key="missing").per_task[1] == {"a": 0.75, "b": 1.3}
+
+
+def test_a_run_folder_from_other_settings_is_not_reused(tmp_path):
+    from argparse import Namespace
+
+    from mlx_grpo.bench.curriculum import check_run
+
+    run = tmp_path / "runs" / "uniform-s0"
+    run.mkdir(parents=True)
+    args = Namespace(token_budget=4000, eval_tasks=30, eval_every=4)
+    check_run(run, "miniwob", "uniform", 0, args)  # nothing trained yet: fine
+    cfg = {
+        "recipe": {"name": "web_browsing"},
+        "curriculum": {"strategy": "uniform"},
+        "train": {"seed": 0, "token_budget": 4000, "eval_tasks": 30, "eval_every": 4},
+    }
+    (run / "config.json").write_text(json.dumps(cfg))
+    check_run(run, "web_browsing", "uniform", 0, args)  # the same settings: reused
+    with pytest.raises(
+        SystemExit, match=r"uniform-s0 was trained with recipe web_browsing \(asked miniwob\)"
+    ):
+        check_run(run, "miniwob", "uniform", 0, args)
+    args.token_budget = 5000
+    with pytest.raises(SystemExit, match=r"token budget 4000 \(asked 5000\)"):
+        check_run(run, "web_browsing", "uniform", 0, args)
+    (run / "config.json").write_text("{")
+    with pytest.raises(SystemExit, match="config.json: not a run config"):
+        check_run(run, "web_browsing", "uniform", 0, args)

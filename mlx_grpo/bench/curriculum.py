@@ -165,6 +165,39 @@ def print_table(rows: list[dict], baseline: str) -> None:
     Console().print(f"90% of {baseline}'s best seed-averaged held-out success = {target:.3f}")
 
 
+def check_run(run: Path, recipe: str, strategy: str, seed: int, args) -> None:
+    """A run folder left by an earlier bench is reused only when it was trained with the
+    same recipe, strategy, seed, budget and evaluation; otherwise one line says why."""
+    folder = RunFolder(run)
+    if not folder.config_file.exists():
+        return
+    try:
+        cfg = json.loads(folder.config_file.read_text())
+        found = {
+            "recipe": cfg["recipe"]["name"],
+            "strategy": cfg["curriculum"]["strategy"],
+            "seed": cfg["train"]["seed"],
+            "token budget": cfg["train"]["token_budget"],
+            "eval tasks": cfg["train"]["eval_tasks"],
+            "eval every": cfg["train"]["eval_every"],
+        }
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {folder.config_file}: not a run config ({e})") from None
+    wanted = {
+        "recipe": recipe,
+        "strategy": strategy,
+        "seed": seed,
+        "token budget": args.token_budget,
+        "eval tasks": args.eval_tasks,
+        "eval every": args.eval_every,
+    }
+    differ = [f"{k} {found[k]} (asked {wanted[k]})" for k in wanted if found[k] != wanted[k]]
+    if differ:
+        raise SystemExit(
+            f"error: {run} was trained with {', '.join(differ)}; pass another --out, or remove it"
+        )
+
+
 def _run_done(run: Path, budget: int) -> bool:
     folder = RunFolder(run)
     ev = folder.eval_file
@@ -231,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         for strategy in strategies:
             run = runs / f"{strategy}-s{seed}"
+            check_run(run, args.recipe, strategy, seed, args)
             if not args.analyse_only and not _run_done(run, args.token_budget):
                 train_one(run, strategy, seed, args, extra)
             if (ev := RunFolder(run).eval_file).exists():
