@@ -339,7 +339,7 @@ def run_compare(argv: list[str], console=None) -> dict:
     out = args.out or (
         b.run_dir / "compare" if b.run_dir else Path(time.strftime("compare-%Y%m%d-%H%M%S"))
     )
-    written = write_outputs(data, report, out, b.run_dir, console)
+    written = write_outputs(data, report, out, b.adapter if b.run_dir else None, console)
     console.print(f"wrote {', '.join(map(str, written))}", highlight=False)
     return data
 

@@ -187,7 +187,7 @@ def read_run(path: Path, adapters: bool = True) -> Run:
         adapter_config=adapter_cfg,
         adapters=weights,
         step=_last_step(run_dir, path),
-        compare=read_compare(RunFolder(run_dir).compare_file),
+        compare=read_compare(RunFolder(path).compare_file),  # the exported step's
     )
 
 

@@ -284,9 +284,10 @@ def plot_levels(report: Report, path: Path, title: str) -> Path | None:
     return path
 
 
-def write_outputs(data: dict, report: Report, out: Path, run_dir: Path | None, console) -> list:
-    """compare.json and compare.png in `out`; compare.json also into B's run folder,
-    where the export's model card looks for it."""
+def write_outputs(data: dict, report: Report, out: Path, adapters: Path | None, console) -> list:
+    """compare.json and compare.png in `out`; compare.json also beside the adapters B
+    was (a run folder, or the step folder of `RUN@step`), where the export's model card
+    looks for it: comparing an earlier step leaves the run's own result in place."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "compare.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
@@ -300,7 +301,7 @@ def write_outputs(data: dict, report: Report, out: Path, run_dir: Path | None, c
         )
     else:
         written.append(png)
-    copy = RunFolder(run_dir).compare_file if run_dir is not None else None
+    copy = RunFolder(adapters).compare_file if adapters is not None else None
     if copy is not None and path.resolve() != copy.resolve():
         shutil.copyfile(path, copy)
         written.append(copy)

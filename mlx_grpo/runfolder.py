@@ -13,6 +13,7 @@ without loading a model).
       trackers.json               output.report_to: the tracker run id and where its logs are
       tensorboard/, wandb/        those trackers' own files (trackio keeps a store of its own)
       compare.json                the last `python -m mlx_grpo.compare` with this run as B
+                                  (a step folder holds its own: B named as RUN@step)
       export-<format>/            `python -m mlx_grpo export` output
 
 A checkpoint is named on the command line as the run folder (its latest step), one of

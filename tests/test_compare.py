@@ -258,7 +258,9 @@ def test_run_checkpoint_against_its_base(tiny_model_dir, toy_run, capsys):
     assert (run / "compare" / "compare.json").exists() and (
         run / "compare" / "compare.png"
     ).exists()
-    assert json.loads((run / "compare.json").read_text())["rows"] == data["rows"]
+    # The result sits beside the adapters compared: the step's folder, not the run's.
+    assert json.loads((run / "step-000001" / "compare.json").read_text())["rows"] == data["rows"]
+    assert not (run / "compare.json").exists()
     assert "note:" not in printed
 
     # The same checkpoint named three ways; the run folder itself means its latest.

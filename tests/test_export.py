@@ -393,7 +393,7 @@ def test_card_has_recipe_steps_settings_and_the_compare_table(tiny_model_dir, tm
 
 
 def test_a_step_folder_exports_into_its_run_folder(tiny_model_dir, tmp_path):
-    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4, scale=1.5), 0)
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4, scale=1.5), 0, COMPARE)
     step = run / "step-000002"
     step.mkdir()
     for name in ("adapters.safetensors", "adapter_config.json"):
@@ -402,8 +402,14 @@ def test_a_step_folder_exports_into_its_run_folder(tiny_model_dir, tmp_path):
     assert read_run(step).step == 2 and read_run(run).step == 3
     done = export(step, "peft", base_model="me/base")
     assert done.out == run / "export-peft"
-    assert "for 2 steps" in (done.out / "README.md").read_text()
+    card = (done.out / "README.md").read_text()
+    assert "for 2 steps" in card
     assert json.loads((done.out / "adapter_config.json").read_text())["lora_alpha"] == 6
+    # The run's compare.json is about its latest adapters, not step 2's: a step's card
+    # shows the compare of that step (`compare --b RUN@step-000002`) or none.
+    assert read_run(run).compare is not None and "## Before / after" not in card
+    (step / "compare.json").write_text(json.dumps(COMPARE))
+    assert read_run(step).compare is not None
 
 
 def test_a_malformed_compare_json_is_named(tiny_model_dir, tmp_path):
