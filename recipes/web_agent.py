@@ -300,7 +300,8 @@ def _form_page(city: str, cycle: str | None) -> str:
 
 def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
     """(observation, reply) pairs demonstrating `verbs`: a click, a form (type, then
-    select when needed, then submit), a stop with an answer."""
+    select when needed, then submit), a stop with an answer; with `back`, a link opened
+    first (then the answer, or a button, on the new page)."""
     turns = []
     if "click" in verbs and "type" not in verbs:  # a form's example ends with a click
         turns.append(
@@ -328,7 +329,9 @@ def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
         turns.append(
             (f"{last}\n{_form_page('Oslo', 'Monthly' if select else None)}", 'click "Save" [6]')
         )
-    if "stop" in verbs:
+    if "back" in verbs:  # the goal lies on another page: open it, then act there
+        turns += _navigation_turns(answer="stop" in verbs)
+    elif "stop" in verbs:
         turns.append(
             (
                 "Goal: Answer the question: How long are backups kept?\nPage: Demo > Docs\n"
@@ -337,6 +340,35 @@ def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
             )
         )
     return turns
+
+
+def _navigation_turns(answer: bool) -> list[tuple[str, str]]:
+    """A link opened, then the goal reached on the new page: an answer read there, or a
+    button pressed. The reply after the link names an element of the new page."""
+    if answer:
+        goal = "Answer the question: How long are backups kept?"
+        start = 'link "Exports" [1]\nlink "Backups" [2]\nlink "Billing" [3]'
+        opened = (
+            'Page: Demo > Docs > Backups\ntext "Backups run every night."\n'
+            'text "Backups are kept for 45 days."\nlink "Docs" [4]'
+        )
+        last = 'stop "45 days"'
+    else:
+        goal = 'Go to "Invoices" and click "Export invoices".'
+        start = 'link "Projects" [1]\nlink "Invoices" [2]\nbutton "Export projects" [3]'
+        opened = (
+            'Page: Demo > Invoices\ntext "Invoice | Date | Amount"\nlink "Dashboard" [4]\n'
+            'button "Export invoices" [5]\nbutton "Delete invoices" [6]'
+        )
+        last = 'click "Export invoices" [5]'
+    link = "Backups" if answer else "Invoices"
+    return [
+        (
+            f"Goal: {goal}\nPage: Demo > {'Docs' if answer else 'Dashboard'}\n{start}",
+            f'click "{link}" [2]',
+        ),
+        (f'Clicked link "{link}" [2].\n{opened}', last),
+    ]
 
 
 def agent_messages(system: str, *examples: set[str]) -> list[dict]:

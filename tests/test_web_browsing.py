@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -458,6 +459,15 @@ def test_worked_examples_show_well_formed_replies_for_the_family_s_actions(train
         for m in demo:
             if m["role"] == "user":  # in the environment's own words and layout
                 assert "\nPage: Demo > " in m["content"] or m["content"].startswith("Page: ")
+        for obs, reply in zip(demo[::2], demo[1::2]):  # each reply names an element shown
+            ref = re.search(r'"[^"]*" \[\d+\]', reply["content"])
+            page = obs["content"].split("\nPage: ", 1)[1]
+            assert ref is None or f" {ref.group(0)}" in page, (task.id, reply["content"])
+        if "back" in NEEDED[task.payload["family"], task.payload["difficulty"]]:
+            # the goal is on another page: an example opens a link, then acts there
+            opened = [i for i, m in enumerate(demo) if m["content"].startswith("Clicked link")]
+            assert opened and demo[opened[-1] - 1]["content"].startswith('click "')
+            assert demo[opened[-1] + 1]["content"] != demo[opened[-1] - 1]["content"]
 
 
 def test_recipe_loads_and_scores_a_golden_episode_at_the_top():
