@@ -342,31 +342,36 @@ def demo_turns(verbs: set[str]) -> list[tuple[str, str]]:
     return turns
 
 
+# A link opened, then the goal reached on the new page: (goal, start page, its lines,
+# the link's label, the page it opens, the reply there). The link is [2] on both.
+_NAVIGATION = {
+    "answer": (
+        "Answer the question: How long are backups kept?",
+        "Demo > Docs",
+        'link "Exports" [1]\nlink "Backups" [2]\nlink "Billing" [3]',
+        "Backups",
+        'Page: Demo > Docs > Backups\ntext "Backups run every night."\n'
+        'text "Backups are kept for 45 days."\nlink "Docs" [4]',
+        'stop "45 days"',
+    ),
+    "press": (
+        'Go to "Invoices" and click "Export invoices".',
+        "Demo > Dashboard",
+        'link "Projects" [1]\nlink "Invoices" [2]\nbutton "Export projects" [3]',
+        "Invoices",
+        'Page: Demo > Invoices\ntext "Invoice | Date | Amount"\nlink "Dashboard" [4]\n'
+        'button "Export invoices" [5]\nbutton "Delete invoices" [6]',
+        'click "Export invoices" [5]',
+    ),
+}
+
+
 def _navigation_turns(answer: bool) -> list[tuple[str, str]]:
-    """A link opened, then the goal reached on the new page: an answer read there, or a
-    button pressed. The reply after the link names an element of the new page."""
-    if answer:
-        goal = "Answer the question: How long are backups kept?"
-        start = 'link "Exports" [1]\nlink "Backups" [2]\nlink "Billing" [3]'
-        opened = (
-            'Page: Demo > Docs > Backups\ntext "Backups run every night."\n'
-            'text "Backups are kept for 45 days."\nlink "Docs" [4]'
-        )
-        last = 'stop "45 days"'
-    else:
-        goal = 'Go to "Invoices" and click "Export invoices".'
-        start = 'link "Projects" [1]\nlink "Invoices" [2]\nbutton "Export projects" [3]'
-        opened = (
-            'Page: Demo > Invoices\ntext "Invoice | Date | Amount"\nlink "Dashboard" [4]\n'
-            'button "Export invoices" [5]\nbutton "Delete invoices" [6]'
-        )
-        last = 'click "Export invoices" [5]'
-    link = "Backups" if answer else "Invoices"
+    """A link opened, then an answer read or a button pressed on the new page: the
+    reply after the link names an element of the page it opened."""
+    goal, page, lines, link, opened, last = _NAVIGATION["answer" if answer else "press"]
     return [
-        (
-            f"Goal: {goal}\nPage: Demo > {'Docs' if answer else 'Dashboard'}\n{start}",
-            f'click "{link}" [2]',
-        ),
+        (f"Goal: {goal}\nPage: {page}\n{lines}", f'click "{link}" [2]'),
         (f'Clicked link "{link}" [2].\n{opened}', last),
     ]
 
