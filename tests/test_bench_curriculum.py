@@ -81,22 +81,23 @@ def test_a_run_folder_from_other_settings_is_not_reused(tmp_path):
 
     run = tmp_path / "runs" / "uniform-s0"
     run.mkdir(parents=True)
-    args = Namespace(token_budget=4000, eval_tasks=30, eval_every=4)
-    check_run(run, "miniwob", "uniform", 0, args)  # nothing trained yet: fine
+    args = Namespace(recipe="miniwob", token_budget=4000, eval_tasks=30, eval_every=4)
+    check_run(run, "uniform", 0, args)  # nothing trained yet: fine
     cfg = {
         "recipe": {"name": "web_browsing"},
         "curriculum": {"strategy": "uniform"},
         "train": {"seed": 0, "token_budget": 4000, "eval_tasks": 30, "eval_every": 4},
     }
     (run / "config.json").write_text(json.dumps(cfg))
-    check_run(run, "web_browsing", "uniform", 0, args)  # the same settings: reused
     with pytest.raises(
-        SystemExit, match=r"uniform-s0 was trained with recipe web_browsing \(asked miniwob\)"
+        SystemExit, match=r"uniform-s0 was trained with recipe.name web_browsing \(asked miniwob\)"
     ):
-        check_run(run, "miniwob", "uniform", 0, args)
+        check_run(run, "uniform", 0, args)
+    args.recipe = "web_browsing"
+    check_run(run, "uniform", 0, args)  # the same settings: reused
     args.token_budget = 5000
-    with pytest.raises(SystemExit, match=r"token budget 4000 \(asked 5000\)"):
-        check_run(run, "web_browsing", "uniform", 0, args)
+    with pytest.raises(SystemExit, match=r"train.token_budget 4000 \(asked 5000\)"):
+        check_run(run, "uniform", 0, args)
     (run / "config.json").write_text("{")
     with pytest.raises(SystemExit, match="config.json: not a run config"):
-        check_run(run, "web_browsing", "uniform", 0, args)
+        check_run(run, "uniform", 0, args)

@@ -165,33 +165,28 @@ def print_table(rows: list[dict], baseline: str) -> None:
     Console().print(f"90% of {baseline}'s best seed-averaged held-out success = {target:.3f}")
 
 
-def check_run(run: Path, recipe: str, strategy: str, seed: int, args) -> None:
+def check_run(run: Path, strategy: str, seed: int, args) -> None:
     """A run folder left by an earlier bench is reused only when it was trained with the
     same recipe, strategy, seed, budget and evaluation; otherwise one line says why."""
     folder = RunFolder(run)
     if not folder.config_file.exists():
         return
+    wanted = {  # what the bench asks: (config section, field) -> value
+        ("recipe", "name"): args.recipe,
+        ("curriculum", "strategy"): strategy,
+        ("train", "seed"): seed,
+        ("train", "token_budget"): args.token_budget,
+        ("train", "eval_tasks"): args.eval_tasks,
+        ("train", "eval_every"): args.eval_every,
+    }
     try:
         cfg = json.loads(folder.config_file.read_text())
-        found = {
-            "recipe": cfg["recipe"]["name"],
-            "strategy": cfg["curriculum"]["strategy"],
-            "seed": cfg["train"]["seed"],
-            "token budget": cfg["train"]["token_budget"],
-            "eval tasks": cfg["train"]["eval_tasks"],
-            "eval every": cfg["train"]["eval_every"],
-        }
+        found = {key: cfg[key[0]][key[1]] for key in wanted}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {folder.config_file}: not a run config ({e})") from None
-    wanted = {
-        "recipe": recipe,
-        "strategy": strategy,
-        "seed": seed,
-        "token budget": args.token_budget,
-        "eval tasks": args.eval_tasks,
-        "eval every": args.eval_every,
-    }
-    differ = [f"{k} {found[k]} (asked {wanted[k]})" for k in wanted if found[k] != wanted[k]]
+    differ = [
+        f"{a}.{b} {found[a, b]} (asked {v})" for (a, b), v in wanted.items() if found[a, b] != v
+    ]
     if differ:
         raise SystemExit(
             f"error: {run} was trained with {', '.join(differ)}; pass another --out, or remove it"
@@ -264,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         for strategy in strategies:
             run = runs / f"{strategy}-s{seed}"
-            check_run(run, args.recipe, strategy, seed, args)
+            check_run(run, strategy, seed, args)
             if not args.analyse_only and not _run_done(run, args.token_budget):
                 train_one(run, strategy, seed, args, extra)
             if (ev := RunFolder(run).eval_file).exists():
