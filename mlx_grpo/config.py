@@ -205,6 +205,20 @@ class GRPOConfig(_Section):
         "leave the loss (no KL term, no compute), as an unguided run skips that group; "
         "they still count in its divisor, so a demonstration weighs as one row.",
     )
+    demo_starts: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Multi-turn recipes with a demonstration: the share of a step's groups "
+        "that start partway through their task's demonstration, after its first k of n "
+        "replies (k uniform in 1..n-1), shown as earlier turns of the prompt; the policy "
+        "plays on from that state and only its own turns train (a reverse curriculum). A "
+        "task no sample solves from its start then gives mixed groups, on-policy, and "
+        "shorter episodes. Those groups are not guided and the curriculum does not hear "
+        "them (its level figures stay those of whole tasks); reward/* counts them, "
+        "starts/groups and starts/reward_mean report them apart. Held-out evaluation "
+        "always starts at the start.",
+    )
     logits_chunk: int = Field(
         1 << 24,
         ge=1 << 16,

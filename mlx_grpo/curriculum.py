@@ -49,7 +49,8 @@ class Curriculum(Protocol):
         """The next n tasks (deterministic given the state)."""
 
     def update(self, tasks: list[Task], group_rewards: list[list[float]]) -> None:
-        """The G rewards each sampled task's group earned."""
+        """The G rewards each sampled task's group earned (the trainer may leave some
+        sampled tasks out: groups that did not start at the task's start)."""
 
     def metrics(self) -> dict:
         """Figures for the step's log (`curriculum/...`)."""
@@ -239,10 +240,13 @@ class LearnabilityCurriculum:
     def update(self, tasks: list[Task], group_rewards: list[list[float]]) -> None:
         a = self.cfg.score_ema
         flat = [float(np.ptp(rewards)) <= 1e-8 for rewards in group_rewards]
-        k = self.last_replayed  # sample() puts the replayed tasks first
+        replayed = {t.id for t in self.last[: self.last_replayed]}  # sample() puts them first
+        was = [t.id in replayed for t in tasks]
+        old = [f for f, w in zip(flat, was) if w]
+        new = [f for f, w in zip(flat, was) if not w]
         self.last_flat = (
-            float(np.mean(flat[:k])) if k else 0.0,
-            float(np.mean(flat[k:])) if flat[k:] else 0.0,
+            float(np.mean(old)) if old else 0.0,
+            float(np.mean(new)) if new else 0.0,
         )
         for task, rewards in zip(tasks, group_rewards):
             r = np.asarray(rewards, dtype=np.float64) / self.max_reward

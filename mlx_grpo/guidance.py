@@ -19,7 +19,14 @@ import numpy as np
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.env import Episode
 from mlx_grpo.recipe import Recipe, Scored, Task
-from mlx_grpo.rollout import Completion, Rollout, TurnTemplate, close_env, encode_prompt, take_turn
+from mlx_grpo.rollout import (
+    Completion,
+    Rollout,
+    TurnTemplate,
+    close_env,
+    encode_prompt,
+    take_turn,
+)
 
 
 def demonstration(
@@ -32,12 +39,9 @@ def demonstration(
     `recipe.demonstrate(task)` gives the replies in advance (a list, one per turn) or
     a policy `reply(env, observation) -> str | None` asked at each turn (a scripted
     agent that reads the page; None: it has nothing to do)."""
-    plan = recipe.demonstrate(task)
+    plan = _as_policy(recipe.demonstrate(task))
     if plan is None:
         return None
-    if not callable(plan):
-        replies = iter(plan)
-        plan = lambda env, observation: next(replies, None)  # noqa: E731
     eos = tokenizer.eos_token_id
 
     def encode(reply: str) -> list[int] | None:
@@ -77,6 +81,64 @@ def demonstration(
     )
 
 
+def _as_policy(plan):
+    """`demonstrate(task)`'s answer as a policy `reply(env, observation)` (or None)."""
+    if plan is None or callable(plan):
+        return plan
+    replies = iter(plan)
+    return lambda env, observation: next(replies, None)
+
+
+def demonstration_replies(recipe: Recipe, task: Task, cfg: RolloutConfig) -> list[str]:
+    """The replies of the task's demonstration as it plays in a fresh environment, or
+    [] when there is none or it does not end the episode within `rollout.max_turns`."""
+    plan = _as_policy(recipe.demonstrate(task))
+    if plan is None:
+        return []
+    env, replies = recipe.make_env(task), []
+    try:
+        observation = recipe.first_messages(task, env)[-1]["content"]
+        for _ in range(cfg.max_turns):
+            reply = plan(env, observation)
+            if reply is None:
+                return []
+            replies.append(reply)
+            result = env.step(reply)
+            if result.done:
+                return replies
+            observation = result.observation
+    finally:
+        close_env(env)
+    return []
+
+
+def demonstration_starts(
+    recipe: Recipe,
+    tasks: list[Task],
+    share: float,
+    rng: np.random.Generator,
+    cfg: RolloutConfig,
+    say=print,
+) -> list[list[str]]:
+    """`grpo.demo_starts`: the replies each task's group starts after ([]: from the
+    start). A share of the tasks, drawn with `rng`, start after the first k of the n
+    replies of their demonstration, k uniform in 1..n-1: a reverse curriculum over the
+    demonstration's states (Salimans & Chen 2018; R3, Xi et al. 2024). From there the
+    goal is a few turns away, so a task that no sample solves from its start gives
+    groups with mixed rewards, on the policy's own tokens. Tasks whose demonstration
+    takes one turn, or raises (said), start at the start."""
+    starts = []
+    for task in tasks:
+        replies = []
+        if rng.random() < share:
+            try:
+                replies = demonstration_replies(recipe, task, cfg)
+            except Exception as e:  # the recipe's script or env: this group starts at 0
+                say(f"grpo.demo_starts: the demonstration of {task.id} raised: {e!r}")
+        starts.append(replies[: int(rng.integers(1, len(replies)))] if len(replies) > 1 else [])
+    return starts
+
+
 def guide_groups(
     recipe: Recipe,
     tokenizer,
@@ -85,12 +147,14 @@ def guide_groups(
     scored: list[Scored],
     cfg: RolloutConfig,
     say=print,
+    skip: frozenset[int] = frozenset(),
 ) -> list[tuple[int, float]]:
     """In each group that the recipe's demonstration beats (it ends its episode and
     scores higher than every sample), put it in place of the lowest-scoring sample (the
     last of equals), in `rollout` and `scored`. A recipe that scores a group as a whole
     (`reward_batch`) scores it again with the demonstration in. Groups whose reward
     raised, and demonstrations that raise (said once each), are left as sampled.
+    Groups in `skip` (those that started partway: `grpo.demo_starts`) are left alone.
     Returns the (row, reward) of every row whose reward changed."""
     g = rollout.group_size
     whole = callable(getattr(recipe.module, "reward_batch", None))
@@ -98,7 +162,7 @@ def guide_groups(
     for i, task in enumerate(tasks):
         group = scored[i * g : (i + 1) * g]
         rewards = [s.reward for s in group]
-        if max(rewards) >= recipe.max_reward - 1e-6 or any(s.error for s in group):
+        if i in skip or max(rewards) >= recipe.max_reward - 1e-6 or any(s.error for s in group):
             continue  # nothing to beat, or nothing to trust
         try:
             demo = demonstration(recipe, tokenizer, task, i, rollout.prompts[i], cfg)

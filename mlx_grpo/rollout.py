@@ -427,6 +427,7 @@ def play_episodes(
     group_size: int,
     cfg: RolloutConfig,
     sampler=None,
+    episodes: list[Episode] | None = None,
 ) -> Rollout:
     """Play `group_size` episodes of each prompt's environment, turn by turn.
 
@@ -435,6 +436,8 @@ def play_episodes(
     Each returned Completion holds every token after the prompt (replies and the
     environment's answers), with `loss_mask` marking the model's own tokens.
     `sampler` is as in `generate_groups` (a list: one per episode, across its turns).
+    `episodes` (one per env) may hold turns already played, outside the prompt's loss
+    (`rollout_tasks`' `starts`): they count toward `max_turns` and the reward sees them.
     Every environment is closed (when it has `close`) as soon as its episode ends, and
     all of them when this raises.
     """
@@ -451,7 +454,8 @@ def play_episodes(
     owners = [i // group_size for i in range(n)]
     history: list[list[int]] = [[] for _ in range(n)]  # tokens after the prompt
     mask: list[list[int]] = [[] for _ in range(n)]
-    episodes = [Episode(env=e) for e in envs]
+    episodes = episodes or [Episode(env=e) for e in envs]
+    played = [len(e.actions) for e in episodes]
     reasons = ["length"] * n
     # What each live episode feeds next, on top of its cache: first the prompt's last
     # token on the group's prompt cache, then the environment's answer on the episode's
@@ -475,7 +479,7 @@ def play_episodes(
                 state[i] = None  # free finished episodes' caches as we go
                 text = tokenizer.decode(toks[:-1] if reason == "stop" else toks)
                 extra, reasons[i], seconds = take_turn(
-                    episodes[i], text, toks, reason, turn, len(prompts[owners[i]]),
+                    episodes[i], text, toks, reason, played[i] + turn, len(prompts[owners[i]]),
                     history[i], mask[i], template, cfg,
                 )  # fmt: skip
                 env_s += seconds
@@ -563,36 +567,70 @@ def rollout_tasks(
     group_size: int,
     cfg: RolloutConfig,
     sampler=None,
+    starts: list[list[str]] | None = None,
 ) -> Rollout:
-    """G completions (or, for a multi-turn recipe, G episodes) of every task."""
+    """G completions (or, for a multi-turn recipe, G episodes) of every task.
+
+    `starts[i]` (multi-turn) are replies played in task i's environments before its
+    group samples: the prompt shows them as earlier turns with the environment's
+    answers, so the group plays on from that state (`grpo.demo_starts`)."""
+    args = (model, tokenizer, recipe, tasks, group_size, cfg, sampler, starts)
     if cfg.fold_adapters:
         with adapters_folded(model):
-            return _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler)
-    return _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler)
+            return _rollout_tasks(*args)
+    return _rollout_tasks(*args)
 
 
-def _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler) -> Rollout:
+def play_prefix(
+    env, first: list[dict], replies: list[str], name: str
+) -> tuple[list[dict], Episode]:
+    """Play `replies` in a reset `env` whose first messages are `first`: the messages
+    with those turns in (reply, then the environment's answer) and the Episode so far."""
+    episode, messages = Episode(env=env), list(first)
+    for j, reply in enumerate(replies):
+        result = env.step(reply)
+        episode.actions.append(reply)
+        episode.results.append(result)
+        if result.done:
+            raise ValueError(f"{name}: the episode ended after {j + 1} of {len(replies)} replies")
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": result.observation},
+        ]
+    return messages, episode
+
+
+def _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler, starts) -> Rollout:
     if not recipe.multi_turn:
+        if starts and any(starts):
+            raise ValueError(f"recipe {recipe.name}: only multi-turn episodes start partway")
         prompts = [encode_prompt(tokenizer, t.messages, cfg.max_prompt_tokens) for t in tasks]
         return generate_groups(model, tokenizer, prompts, group_size, cfg, sampler)
     tic = time.perf_counter()
     envs = [recipe.make_env(t) for t in tasks for _ in range(group_size)]
-    prompts = []
+    prompts, episodes = [], []
     try:
         for i, task in enumerate(tasks):
             group = envs[i * group_size : (i + 1) * group_size]
-            firsts = [recipe.first_messages(task, env) for env in group]
+            prefix = starts[i] if starts else []
+            played = [
+                play_prefix(env, recipe.first_messages(task, env), prefix, task.id) for env in group
+            ]
+            firsts = [m for m, _ in played]
             if any(m != firsts[0] for m in firsts[1:]):
                 raise ValueError(
                     f"recipe {recipe.name}: env.reset() differs between runs of {task.id}"
                 )
             prompts.append(encode_prompt(tokenizer, firsts[0], cfg.max_prompt_tokens))
+            episodes += [e for _, e in played]
     except BaseException:
         for env in envs:
             close_env(env)
         raise
     reset_s = time.perf_counter() - tic
-    rollout = play_episodes(model, tokenizer, prompts, envs, group_size, cfg, sampler)
+    rollout = play_episodes(
+        model, tokenizer, prompts, envs, group_size, cfg, sampler, episodes=episodes
+    )
     rollout.seconds += reset_s
     rollout.env_seconds += reset_s
     return rollout

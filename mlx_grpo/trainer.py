@@ -39,7 +39,7 @@ from mlx_grpo.grpo import (
     split_guided,
     zero_variance_groups,
 )
-from mlx_grpo.guidance import demonstration_advantages, guide_groups
+from mlx_grpo.guidance import demonstration_advantages, demonstration_starts, guide_groups
 from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled
@@ -246,10 +246,13 @@ def train(
             f"train.batch_size={b} is smaller than the {dist.size} ranks: "
             "each rank needs at least one group"
         )
-    if cfg.grpo.guidance and not callable(getattr(recipe.module, "demonstrate", None)):
-        raise TrainingError(
-            f"grpo.guidance: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
-        )
+    for option, on in [("guidance", cfg.grpo.guidance), ("demo_starts", cfg.grpo.demo_starts)]:
+        if on and not callable(getattr(recipe.module, "demonstrate", None)):
+            raise TrainingError(
+                f"grpo.{option}: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
+            )
+    if cfg.grpo.demo_starts and not recipe.multi_turn:
+        raise TrainingError(f"grpo.demo_starts: recipe {recipe.name} is single-turn")
     if not main:
         say = _silent
     run = RunFolder(run_dir)
@@ -295,10 +298,20 @@ def train(
             my_tasks = tasks[mine.start : mine.stop]
             keys = mx.random.split(mx.random.key(step_seed), n_tasks * g)
             samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
+            extra = {}
+            starts = [[] for _ in tasks]
+            if cfg.grpo.demo_starts:  # the same draw on every rank, and after a resume
+                rng = np.random.default_rng([cfg.train.seed, step])
+                starts = demonstration_starts(
+                    recipe, tasks, cfg.grpo.demo_starts, rng, cfg.rollout, say
+                )
+                extra["starts"] = starts[mine.start : mine.stop]
 
             # Roll out and score this rank's groups; every rank then sees every record.
             model.eval()
-            rollout = rollout_fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers)
+            rollout = rollout_fn(
+                model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers, **extra
+            )
             scored = recipe.score_rollout(my_tasks, rollout)
             sample_step = bool(
                 cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
@@ -306,8 +319,9 @@ def train(
             share = _share_record(rollout, scored, with_text=sample_step)
             if cfg.grpo.guidance:  # after the on-policy record: only the update sees it
                 tic = time.perf_counter()
+                partway = frozenset(i for i, s in enumerate(extra.get("starts", ())) if s)
                 changed = guide_groups(
-                    recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say
+                    recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say, partway
                 )
                 share["guided"] = [(mine.start * g + row, reward) for row, reward in changed]
                 share["demos"] = [
@@ -351,7 +365,10 @@ def train(
                     if zero_var[r // g] and r not in demos
                 )
             no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
-            curriculum.update(tasks, rewards.reshape(n_tasks, g).tolist())
+            # The curriculum hears the groups that started at the start.
+            whole = [i for i in range(n_tasks) if not starts[i]]
+            by_group = rewards.reshape(n_tasks, g)
+            curriculum.update([tasks[i] for i in whole], by_group[whole].tolist())
             train_groups = _groups_to_train(no_signal, b, cfg.grpo.skip_zero_variance_groups)
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
@@ -386,6 +403,11 @@ def train(
                 counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
+            if cfg.grpo.demo_starts:
+                partway = [i for i in range(n_tasks) if starts[i]]
+                metrics["starts/groups"] = len(partway)
+                if partway:
+                    metrics["starts/reward_mean"] = float(by_group[partway].mean())
             if cfg.grpo.guidance:
                 metrics["guidance/groups"] = len({row // g for row, _ in guided})
                 metrics["time/guidance_s"] = max(sh["guidance_seconds"] for sh in shares)

@@ -283,3 +283,85 @@ def test_guided_advantages_push_down_the_samples_only_in_group_mode(
         )
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(x)["adapter/delta_norm"] > 0 for x in lines)
+
+
+def test_a_group_started_partway_plays_on_from_the_demonstrations_state(tiny):
+    """`starts`: the prompt is the chat template's rendering of the conversation with the
+    demonstration's first replies and the env's answers in; every episode holds those
+    turns (the reward sees them, `max_turns` counts them) but the completion's tokens
+    are the policy's own from there on."""
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    task = [t for t in recipe.tasks("train", 3, 0) if t.payload["turns"] == 3][0]
+    cfg = RolloutConfig(max_new_tokens=4, max_turns=3, temperature=1.0)
+    mx.random.seed(0)
+    rollout = rollout_tasks(model, tok, recipe, [task, task], 4, cfg, starts=[["ok", "ok"], []])
+    conv = recipe.first_messages(task, recipe.make_env(task))
+    for k in (1, 2):
+        conv += [
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": f"turn {k}: 2 chars"},
+        ]
+    want = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert _raw(tok, rollout.prompts[0]) == want
+    assert rollout.prompts[1] == _prompt(recipe, tok, task)
+    for c in rollout.completions[:4]:
+        assert c.episode.actions[:2] == ["ok", "ok"] and c.episode.turns == 3  # 1 turn left
+        assert c.episode.done  # the env's third step ends it, whatever the reply
+        assert sum(c.loss_mask) == len(c.tokens)  # one reply, no env tokens after it
+        assert c.text == "\n".join(c.episode.actions)
+    assert all(len(c.episode.actions) >= 1 for c in rollout.completions[4:])
+    scored = recipe.score_rollout([task, task], rollout)
+    assert all(s.components["finished"] == 1.0 for s in scored[:4])
+    # Two turns in all: after the demonstration's first, the policy has one left.
+    two = RolloutConfig(max_new_tokens=4, max_turns=2, temperature=1.0)
+    rollout = rollout_tasks(model, tok, recipe, [task], 4, two, starts=[["ok"]])
+    for c in rollout.completions:
+        assert c.episode.turns == 2 and not c.episode.done and c.finish_reason == "length"
+
+
+def test_demo_starts_draw_a_share_of_tasks_and_a_uniform_point_inside_each_demonstration():
+    import numpy as np
+
+    from mlx_grpo.guidance import demonstration_starts
+
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0}, {})
+    tasks = recipe.tasks("train", 3, 0)  # demonstrations of 1, 2 and 3 replies
+    cfg = RolloutConfig(max_turns=3)
+    assert demonstration_starts(recipe, tasks, 0.0, np.random.default_rng(0), cfg) == [[]] * 3
+    rng = np.random.default_rng(0)
+    drawn = [demonstration_starts(recipe, tasks, 1.0, rng, cfg) for _ in range(400)]
+    assert all(d[0] == [] and d[1] == ["ok"] for d in drawn)  # 1 turn: nothing to skip
+    ks = np.array([len(d[2]) for d in drawn])
+    assert set(ks.tolist()) == {1, 2} and abs((ks == 1).mean() - 0.5) < 0.125  # 5 sigma
+    half = [demonstration_starts(recipe, tasks, 0.5, rng, cfg)[2] for _ in range(400)]
+    assert abs(np.mean([h == [] for h in half]) - 0.5) < 0.125  # 5 sigma
+    short = RolloutConfig(max_turns=2)  # a demonstration that needs 3 turns does not fit
+    assert demonstration_starts(recipe, tasks, 1.0, rng, short)[2] == []
+
+
+def test_demo_starts_train_on_groups_started_partway_that_the_curriculum_does_not_hear(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Every group starts partway (share 1): the update trains on them, the metrics
+    count them apart, and the curriculum hears only the tasks whose groups started at
+    the start (here those whose demonstration takes one turn)."""
+    from mlx_grpo.curriculum import LearnabilityCurriculum
+
+    heard, update = [], LearnabilityCurriculum.update
+
+    def recording(self, tasks, rewards):
+        heard.append([t.payload["turns"] for t in tasks])
+        return update(self, tasks, rewards)
+
+    monkeypatch.setattr(LearnabilityCurriculum, "update", recording)
+    args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", "--grpo.demo_starts=1"]
+    args += [f"--output.dir={tmp_path}", "--output.run=r", "--curriculum.start_levels=3"]
+    assert cmd_train(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == len(heard) == 3
+    for row, turns in zip(rows, heard):
+        assert set(turns) <= {1}
+        assert row["starts/groups"] + len(turns) == 2  # train.batch_size
+        assert ("starts/reward_mean" in row) == (row["starts/groups"] > 0)
+    assert sum(r["starts/groups"] for r in rows) > 0
