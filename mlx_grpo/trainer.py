@@ -319,9 +319,11 @@ def train(
             share = _share_record(rollout, scored, with_text=sample_step)
             if cfg.grpo.guidance:  # after the on-policy record: only the update sees it
                 tic = time.perf_counter()
-                partway = frozenset(i for i, s in enumerate(extra.get("starts", ())) if s)
+                mine_partway = frozenset(
+                    i for i, s in enumerate(starts[mine.start : mine.stop]) if s
+                )
                 changed = guide_groups(
-                    recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say, partway
+                    recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say, mine_partway
                 )
                 share["guided"] = [(mine.start * g + row, reward) for row, reward in changed]
                 share["demos"] = [
@@ -366,6 +368,7 @@ def train(
                 )
             no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
             # The curriculum hears the groups that started at the start.
+            partway = [i for i in range(n_tasks) if starts[i]]
             whole = [i for i in range(n_tasks) if not starts[i]]
             by_group = rewards.reshape(n_tasks, g)
             curriculum.update([tasks[i] for i in whole], by_group[whole].tolist())
@@ -404,7 +407,6 @@ def train(
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
             if cfg.grpo.demo_starts:
-                partway = [i for i in range(n_tasks) if starts[i]]
                 metrics["starts/groups"] = len(partway)
                 if partway:
                     metrics["starts/reward_mean"] = float(by_group[partway].mean())
