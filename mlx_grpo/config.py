@@ -273,6 +273,17 @@ class TrainConfig(_Section):
         0, description="Seeds the task draw, sampling and LoRA init; a run replays exactly."
     )
     sample_every: int = Field(10, ge=0, description="Write sample completions every N steps.")
+    sft_steps: int = Field(
+        0,
+        ge=0,
+        description="Supervised steps on the recipe's demonstrations of training tasks, "
+        "drawn evenly over the levels, before the first GRPO step (mlx_grpo/warmstart.py; "
+        "needs demonstrate(task) in the recipe's tasks.py). 0: none.",
+    )
+    sft_batch_size: int = Field(8, ge=1, description="Demonstrations per warm-start step.")
+    sft_learning_rate: float = Field(
+        1e-4, gt=0, description="AdamW learning rate of the warm start (constant)."
+    )
     max_nonfinite_steps: int = Field(
         5, ge=1, description="Stop after this many non-finite updates in a row."
     )

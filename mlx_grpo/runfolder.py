@@ -57,6 +57,7 @@ class RunFolder:
     SAMPLES = "samples.jsonl"
     EVAL = "eval.jsonl"
     COMPARE = "compare.json"
+    WARMSTART = "warmstart.json"
 
     def __post_init__(self):
         object.__setattr__(self, "path", Path(self.path))
@@ -95,6 +96,10 @@ class RunFolder:
     @property
     def compare_file(self) -> Path:
         return self.path / self.COMPARE
+
+    @property
+    def warmstart_file(self) -> Path:
+        return self.path / self.WARMSTART
 
     @property
     def logs(self) -> tuple[Path, Path, Path]:

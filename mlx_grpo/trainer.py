@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import threading
@@ -27,7 +28,7 @@ from mlx_grpo.compiled import CompiledLossAndGrad
 from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.dist import Dist
-from mlx_grpo.durable import FULL_DISK, cut_jsonl
+from mlx_grpo.durable import FULL_DISK, cut_jsonl, write_atomic
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
@@ -48,6 +49,7 @@ from mlx_grpo.recipe import Recipe, Scored, Task
 from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
 from mlx_grpo.runfolder import RunFolder
 from mlx_grpo.trackers import Trackers
+from mlx_grpo.warmstart import warm_start
 
 
 class TrainingError(RuntimeError):
@@ -251,6 +253,10 @@ def train(
             raise TrainingError(
                 f"grpo.{option}: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
             )
+    if cfg.train.sft_steps and not callable(getattr(recipe.module, "demonstrate", None)):
+        raise TrainingError(
+            f"train.sft_steps: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
+        )
     if cfg.grpo.demo_starts and not recipe.multi_turn:
         raise TrainingError(f"grpo.demo_starts: recipe {recipe.name} is single-turn")
     if not main:
@@ -271,6 +277,17 @@ def train(
             k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
         }
         info(f"held-out before training: {shown}")
+    if cfg.train.sft_steps and start == 0:
+        tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
+        warm = warm_start(model, tokenizer, recipe, tasks, cfg, say, dist)
+        if main:
+            write_atomic(run.warmstart_file, json.dumps(warm) + "\n")
+        nll = warm["nll"]
+        info(
+            f"warm start: {cfg.train.sft_steps} steps on {warm['demonstrations']} "
+            f"demonstrations (per level {warm['levels']}), NLL {nll[0]:.3f} -> "
+            f"{nll[-1]:.3f}, {warm['seconds']:.0f} s"
+        )
 
     rollout_fn = rollout_fn or rollout_tasks
     if cfg.grpo.compile:

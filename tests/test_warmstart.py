@@ -1,0 +1,141 @@
+"""The supervised warm start (`train.sft_steps`): its loss is the mean negative
+log-likelihood of the demonstrations' own tokens, its draw spreads over the levels, it
+raises the demonstrations' likelihood, and a run takes it after the base model's
+held-out evaluation and before the first GRPO step."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import f32_tolerance, tiny_additions
+
+from mlx_grpo.cli import cmd_train, resolve_config
+from mlx_grpo.config import RolloutConfig
+from mlx_grpo.grpo import micro_batches
+from mlx_grpo.recipe import Recipe, Task
+from mlx_grpo.warmstart import batch_of, by_level, demonstrations, sft_loss, warm_start
+
+TOY_ENV = Path(__file__).parent / "data" / "toy_env"
+CFG = RolloutConfig(max_new_tokens=6, max_turns=3, max_prompt_tokens=10**6)
+
+
+def _reference_nll(model, prompts, comps) -> float:
+    """Mean -log p over the loss tokens, from one plain forward per sequence (float64 sums)."""
+    total, count = 0.0, 0
+    for prompt, c in zip(prompts, comps):
+        seq = prompt + c.tokens
+        logits = model(mx.array(seq)[None])[0].astype(mx.float32)
+        logp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True), dtype=np.float64)
+        mask = c.loss_mask or [1] * len(c.tokens)
+        for i, (t, m) in enumerate(zip(c.tokens, mask)):
+            if m:
+                total -= logp[len(prompt) + i - 1, t]
+                count += 1
+    return total / count
+
+
+def test_sft_loss_is_the_mean_nll_of_the_replies_and_micro_batches_add_up(tiny, tiny_model_dir):
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    prompts, comps, kept = demonstrations(recipe, tok, recipe.tasks("train", 6, 0), CFG)
+    assert len(comps) == 6 and {t.payload["turns"] for t in kept} == {1, 2, 3}
+    batch = batch_of(prompts, comps, CFG.max_new_tokens * CFG.max_turns)
+    # Only the replies (and their EOS) are in the loss, never the environment's tokens.
+    replies = len(tok.encode("ok", add_special_tokens=False)) + 1
+    assert batch.mask.sum().item() == replies * sum(t.payload["turns"] for t in kept)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    tol = f32_tolerance(tiny_additions(config) + int(batch.mask.sum().item()))
+    whole = sft_loss(model, batch)[0].item()
+    assert whole == pytest.approx(_reference_nll(model, prompts, comps), rel=tol)
+    pieces = micro_batches(batch, 40)
+    assert len(pieces) > 1
+    assert sum(sft_loss(model, p)[0].item() for p in pieces) == pytest.approx(whole, rel=tol)
+
+
+def test_by_level_draws_evenly_over_the_levels_without_repeats():
+    tasks = [Task(f"t{i}", lv, []) for i, lv in enumerate([1] * 10 + [2] * 3 + [3] * 10)]
+    rng = np.random.default_rng(0)
+    got = by_level(tasks, 12, rng)
+    assert len({t.id for t in got}) == 12
+    counts = Counter(t.level for t in got)
+    assert counts[2] == 3  # all that level has
+    assert abs(counts[1] - counts[3]) <= 1 and counts[1] + counts[3] == 9
+    assert len(by_level(tasks, 100, rng)) == len(tasks)
+
+
+def test_warm_start_raises_the_likelihood_of_held_out_demonstrations(tiny, tmp_path):
+    model, tok = tiny
+    from mlx_grpo.models import apply_lora
+
+    cfg, _, _ = resolve_config(
+        ["--recipe", str(TOY_ENV), "--train.sft_steps=6", "--train.sft_batch_size=4",
+         "--train.sft_learning_rate=3e-3", f"--output.dir={tmp_path}", "--output.run=w"]
+    )  # fmt: skip
+    apply_lora(model, cfg.lora, seed=0)
+    recipe = Recipe.from_config(cfg.recipe)
+    held = demonstrations(recipe, tok, recipe.tasks("eval", 6, 0), cfg.rollout)
+    before = _reference_nll(model, held[0], held[1])
+    out = warm_start(model, tok, recipe, recipe.tasks("train", 32, 0), cfg)
+    after = _reference_nll(model, held[0], held[1])
+    assert out["demonstrations"] == 24 and out["levels"] == {1: 8, 2: 8, 3: 8}
+    assert len(out["nll"]) == 6 and out["nll"][-1] < out["nll"][0]
+    assert after < before - 0.5, (before, after)
+
+
+def test_a_run_warms_up_after_the_base_evaluation(tiny_model_dir, tmp_path, monkeypatch):
+    """The base evaluation sees the adapters as initialised (LoRA's B is zero); the warm
+    start runs once, before step 1, and its summary is in the run folder; a resumed run
+    does not run it again."""
+    import mlx_grpo.trainer as trainer
+    from mlx_grpo import evaluate
+
+    lora_b_norms, calls = [], []
+    make = evaluate.make_eval_fn
+
+    def recording(model, *a, **k):
+        fn = make(model, *a, **k)
+
+        def wrapped(step, extra):
+            norms = [float(mx.abs(v).sum()) for k, v in _flat(model) if k.endswith("lora_b")]
+            lora_b_norms.append((step, sum(norms)))
+            return fn(step, extra)
+
+        return wrapped
+
+    real = trainer.warm_start
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(evaluate, "make_eval_fn", recording)
+    monkeypatch.setattr(trainer, "warm_start", counting)
+    args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", "--train.sft_steps=2"]
+    args += [f"--output.dir={tmp_path}", "--output.run=r", "--train.eval_every=3"]
+    assert cmd_train(args) == 0
+    assert lora_b_norms[0] == (0, 0.0) and lora_b_norms[-1][1] > 0
+    summary = json.loads((tmp_path / "r" / "warmstart.json").read_text())
+    assert len(summary["nll"]) == 2 and summary["demonstrations"] == 16
+    assert calls == [1]
+    assert cmd_train(["--resume", str(tmp_path / "r"), "--train.steps=4"]) == 0
+    assert calls == [1]
+
+
+def _flat(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def test_the_warm_start_needs_a_recipe_that_demonstrates(tiny_model_dir, tmp_path):
+    from mlx_grpo.trainer import TrainingError
+
+    capitals = Path(__file__).parent / "data" / "capitals"
+    args = ["--recipe", str(capitals), f"--model.path={tiny_model_dir}", "--train.sft_steps=2"]
+    with pytest.raises(TrainingError, match=r"^train.sft_steps: recipe .* defines no demonstrate"):
+        cmd_train([*args, f"--output.dir={tmp_path}", "--output.run=x"])
