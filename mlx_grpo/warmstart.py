@@ -124,12 +124,19 @@ def warm_start(
     dist: Dist | None = None,
 ) -> dict:
     """`cfg.train.sft_steps` supervised steps on demonstrations of `tasks` (the training
-    split). Every rank runs the same steps on the same demonstrations, so they stay
-    equal. Returns a summary: the demonstrations used per level, the NLL of each step
-    and the seconds taken."""
+    split). Under `mlx.launch` every rank plays the same demonstrations and takes its
+    share of each step's rows; the gradients are summed over ranks, so all take the
+    same step. Returns a summary: the demonstrations used per level, the NLL of each
+    step and the seconds taken."""
     from mlx_grpo.trainer import TrainingError, apply_update, policy_gradient
 
     tc = cfg.train
+    dist = dist or Dist()
+    if tc.sft_batch_size < dist.size:
+        raise TrainingError(
+            f"train.sft_batch_size={tc.sft_batch_size} is smaller than the {dist.size} "
+            "ranks: each rank needs at least one demonstration a step"
+        )
     tic = time.perf_counter()
     rng = np.random.default_rng([tc.seed, 7_305])  # apart from the run's other draws
     pool = by_level(tasks, tc.sft_steps * tc.sft_batch_size, rng)
@@ -154,9 +161,12 @@ def warm_start(
     model.train()
     for step in range(tc.sft_steps):
         rows = order[step * tc.sft_batch_size : (step + 1) * tc.sft_batch_size].tolist()
-        batch = batch_of([prompts[r] for r in rows], [comps[r] for r in rows], max_new)
+        mine = dist.share(len(rows))
+        local = rows[mine.start : mine.stop]
+        batch = batch_of([prompts[r] for r in local], [comps[r] for r in local], max_new)
+        batch.total_tokens = float(sum(comps[r].model_tokens for r in rows))  # all ranks'
         loss, _, grads, grad_norm, _ = policy_gradient(
-            model, loss_and_grad, batch, dist or Dist(), cfg.optimizer.max_grad_norm,
+            model, loss_and_grad, batch, dist, cfg.optimizer.max_grad_norm,
             cfg.grpo.micro_batch_tokens,
         )  # fmt: skip
         if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
