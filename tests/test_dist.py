@@ -229,3 +229,26 @@ def test_two_ranks_guide_the_groups_one_process_guides(tiny_model_dir, tmp_path)
     n = 2 * tiny_additions(json.loads((tiny_model_dir / "config.json").read_text()))
     for k in ref:
         assert_f32_close(a0[k], ref[k], n, k)
+
+
+def test_two_ranks_warm_start_as_one_process(tiny_model_dir, tmp_path):
+    """train.sft_steps under two ranks: each takes half of a step's demonstrations over
+    the whole step's token count, so the NLL and the adapters are one process's."""
+    args = ["--recipe", str(TESTS / "data" / "toy_env"), f"--model.path={tiny_model_dir}"]
+    args += ["--train.sft_steps=2", "--train.sft_batch_size=4", "--train.steps=1"]
+    args += ["--curriculum.strategy=uniform", "--train.eval_every=0"]
+    single = tmp_path / "single"
+    assert cmd_train([*args, f"--output.dir={single}", "--output.run=r"]) == 0
+    two = tmp_path / "two"
+    _launch(two, *args, "--output.dir=ckpt", "--output.run=r")
+    w1 = json.loads((single / "r" / "warmstart.json").read_text())
+    w2 = json.loads((two / "rank0" / "ckpt" / "r" / "warmstart.json").read_text())
+    n = 2 * tiny_additions(json.loads((tiny_model_dir / "config.json").read_text()))
+    assert w1["levels"] == w2["levels"]
+    assert_f32_close(w2["nll"], w1["nll"], n, "nll")
+    a0, ref = (
+        _adapters(two / "adapters-rank0.safetensors"),
+        _adapters(single / "r" / "adapters.safetensors"),
+    )
+    for k in ref:
+        assert_f32_close(a0[k], ref[k], n, k)
