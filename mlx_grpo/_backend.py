@@ -7,7 +7,8 @@ depends on `mlx[cpu]`. When `nvidia-smi` reports a driver that runs CUDA 13 (or 
 swaps the CPU build for `mlx[cuda13]` (or `mlx[cuda12]`) at the installed MLX version.
 It then runs a kernel on the GPU in a child process. If that fails, the CPU build comes
 back with a one-line warning, so a machine whose GPU MLX cannot use still trains on its
-CPU. `MLX_DEVICE=cpu|cuda12|cuda13` overrides the detection.
+CPU. `MLX_DEVICE=cpu|cuda12|cuda13` overrides the detection and is remembered in the
+environment (`.mlx-device` under `sys.prefix`) for later installs.
 
 Run it as a file (`python mlx_grpo/_backend.py`), not as a module: importing the package
 loads MLX, whose library this replaces.
@@ -22,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from pathlib import Path
 
 # The extra of the `mlx` package -> the distribution that holds its libmlx.so
 BUILDS = {"cpu": "mlx-cpu", "cuda12": "mlx-cuda-12", "cuda13": "mlx-cuda-13"}
@@ -39,9 +41,10 @@ def driver_cuda(smi_output: str) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
-def wanted(env: dict, smi_output: str | None) -> str:
-    """The build this machine should have: MLX_DEVICE, else the driver's CUDA version."""
-    choice = env.get("MLX_DEVICE", "").strip()
+def wanted(env: dict, smi_output: str | None, recorded: str = "") -> str:
+    """The build this machine should have: MLX_DEVICE, else the one an earlier
+    MLX_DEVICE chose (`recorded`), else the driver's CUDA version."""
+    choice = env.get("MLX_DEVICE", "").strip() or recorded.strip()
     if choice:
         if choice not in BUILDS:
             raise ValueError(f"MLX_DEVICE={choice!r}: expected one of {', '.join(BUILDS)}")
@@ -101,7 +104,7 @@ def probe(python: str = sys.executable) -> tuple[bool, str]:
         r = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return False, "the probe ran for 10 minutes"
-    lines = (r.stdout + r.stderr).strip().splitlines()
+    lines = (r.stdout if r.returncode == 0 else r.stdout + r.stderr).strip().splitlines()
     last = lines[-1] if lines else f"exit status {r.returncode}"
     return r.returncode == 0 and "gpu" in r.stdout, last
 
@@ -118,14 +121,25 @@ def setup(
     run_pip: Callable[[Sequence[str]], None] = pip,
     run_probe: Callable[[], tuple[bool, str]] = probe,
     say: Callable[[str], None] = print,
+    recorded: str = "",
 ) -> str:
-    """Install the wanted build, prove a GPU build on the GPU, fall back to the CPU.
-
-    Returns the build left installed.
+    """Install the wanted build, prove a GPU build on the GPU, fall back to the CPU
+    build when either fails. Returns the build left installed.
     """
-    target = wanted(env, smi_output)
-    for step in plan(installed, target, version):
-        run_pip(step)
+    target = wanted(env, smi_output, recorded)
+    try:
+        for step in plan(installed, target, version):
+            run_pip(step)
+    except subprocess.CalledProcessError as e:
+        if target == "cpu":
+            raise
+        say(
+            f"warning: installing MLX's {target} build failed (pip exit status "
+            f"{e.returncode}); keeping its CPU build"
+        )
+        for step in plan(set(BUILDS), "cpu", version):  # whatever the failure left
+            run_pip(step)
+        return "cpu"
     if target == "cpu":
         return "cpu"
     ok, last = run_probe()
@@ -144,8 +158,18 @@ def setup(
 def main() -> int:
     if not sys.platform.startswith("linux"):
         return 0
+    # An explicit MLX_DEVICE is kept in the environment, so that a later install
+    # without it (`make test` installing its extras, say) keeps that choice.
+    record = Path(sys.prefix) / ".mlx-device"
+    recorded = record.read_text() if record.exists() else ""
     try:
-        setup(dict(os.environ), nvidia_smi(), installed_builds(), metadata.version("mlx"))
+        if choice := os.environ.get("MLX_DEVICE", "").strip():
+            wanted({"MLX_DEVICE": choice}, None)  # a wrong name stops here
+            record.write_text(choice + "\n")
+        setup(
+            dict(os.environ), nvidia_smi(), installed_builds(), metadata.version("mlx"),
+            recorded=recorded,
+        )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

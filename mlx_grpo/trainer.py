@@ -257,6 +257,11 @@ def train(
         raise TrainingError(
             f"train.sft_steps: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
         )
+    if cfg.train.sft_steps and dist.size > cfg.train.sft_batch_size:
+        raise TrainingError(
+            f"train.sft_batch_size={cfg.train.sft_batch_size} is smaller than the "
+            f"{dist.size} ranks: each rank needs at least one demonstration a step"
+        )
     if cfg.grpo.demo_starts and not recipe.multi_turn:
         raise TrainingError(f"grpo.demo_starts: recipe {recipe.name} is single-turn")
     if not main:
@@ -277,18 +282,6 @@ def train(
             k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
         }
         info(f"held-out before training: {shown}")
-    if cfg.train.sft_steps and start == 0:
-        tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
-        warm = warm_start(model, tokenizer, recipe, tasks, cfg, say, dist)
-        if main:
-            write_atomic(run.warmstart_file, json.dumps(warm) + "\n")
-        nll = warm["nll"]
-        info(
-            f"warm start: {cfg.train.sft_steps} steps on {warm['demonstrations']} "
-            f"demonstrations (per level {warm['levels']}), NLL {nll[0]:.3f} -> "
-            f"{nll[-1]:.3f}, {warm['seconds']:.0f} s"
-        )
-
     rollout_fn = rollout_fn or rollout_tasks
     if cfg.grpo.compile:
         if loss is not None:
@@ -301,6 +294,17 @@ def train(
 
     # The trackers close however the loop ends (a kill is what resuming mends).
     with trackers, _CtrlC(say, dist.size == 1) as ctrl_c:
+        if cfg.train.sft_steps and start == 0:
+            tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
+            warm = warm_start(model, tokenizer, recipe, tasks, cfg, say, dist)
+            if main:
+                write_atomic(run.warmstart_file, json.dumps(warm) + "\n")
+            nll = warm["nll"]
+            info(
+                f"warm start: {cfg.train.sft_steps} steps on {warm['demonstrations']} "
+                f"demonstrations (per level {warm['levels']}), NLL {nll[0]:.3f} -> "
+                f"{nll[-1]:.3f}, {warm['seconds']:.0f} s"
+            )
         for step in range(start + 1, cfg.train.steps + 1):
             mx.reset_peak_memory()
             # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed

@@ -85,10 +85,14 @@ def by_level(tasks: list[Task], n: int, rng: np.random.Generator) -> list[Task]:
     return [out[i] for i in rng.permutation(len(out))]
 
 
-def sft_loss(model: nn.Module, batch: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
+def sft_loss(
+    model: nn.Module, batch: LossInputs, logits_chunk: int = 1 << 24
+) -> tuple[mx.array, dict[str, mx.array]]:
     """The batch's summed negative log-likelihood of its masked tokens over
     `batch.total_tokens` (the whole batch's count, so that micro-batches add up)."""
-    logp, _ = completion_logprobs(model, batch.prompts, batch.completions, mask=batch.mask)
+    logp, _ = completion_logprobs(
+        model, batch.prompts, batch.completions, logits_chunk, mask=batch.mask
+    )
     total = batch.total_tokens if batch.total_tokens is not None else batch.mask.sum()
     nll = -(logp * batch.mask).sum() / total
     return nll, {"nll": nll}
@@ -149,7 +153,7 @@ def warm_start(
     optimizer = optim.AdamW(
         learning_rate=tc.sft_learning_rate, weight_decay=cfg.optimizer.weight_decay
     )
-    loss_and_grad = nn.value_and_grad(model, sft_loss)
+    loss_and_grad = nn.value_and_grad(model, lambda m, b: sft_loss(m, b, cfg.grpo.logits_chunk))
     max_new = cfg.rollout.max_new_tokens * cfg.rollout.max_turns
     order = np.concatenate(
         [
@@ -160,6 +164,7 @@ def warm_start(
     nll = []
     model.train()
     for step in range(tc.sft_steps):
+        mx.random.seed(int(rng.integers(2**31)))  # LoRA dropout: the same on every rank
         rows = order[step * tc.sft_batch_size : (step + 1) * tc.sft_batch_size].tolist()
         mine = dist.share(len(rows))
         local = rows[mine.start : mine.stop]

@@ -5,6 +5,8 @@ the fall back to the CPU build when the GPU build cannot run a kernel."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 
@@ -47,6 +49,12 @@ def test_driver_cuda_reads_the_header():
 )
 def test_wanted(env, smi, build):
     assert backend.wanted(env, smi) == build
+
+
+def test_an_earlier_choice_holds_until_mlx_device_names_another():
+    assert backend.wanted({}, SMI_580, recorded="cpu\n") == "cpu"
+    assert backend.wanted({"MLX_DEVICE": "cuda13"}, SMI_580, recorded="cpu") == "cuda13"
+    assert backend.wanted({"MLX_DEVICE": ""}, None, recorded="cuda12") == "cuda12"
 
 
 def test_wanted_rejects_an_unknown_device_by_name():
@@ -127,15 +135,20 @@ def test_plan_names_the_installed_version():
     assert backend.plan({"cpu"}, "cpu", "0.32.4") == []
 
 
-def run_setup(smi, installed, probe_result, env=None):
+def run_setup(smi, installed, probe_result, env=None, fail_on=None):
     calls, said = [], []
 
     def probe():
         calls.append(["probe"])
         return probe_result
 
+    def pip(args):
+        calls.append(args)
+        if fail_on and fail_on in args:
+            raise subprocess.CalledProcessError(1, ["python", "-m", "pip", *args])
+
     build = backend.setup(
-        env or {}, smi, installed, "0.32.4", run_pip=calls.append, run_probe=probe, say=said.append
+        env or {}, smi, installed, "0.32.4", run_pip=pip, run_probe=probe, say=said.append
     )
     return build, calls, said
 
@@ -180,3 +193,44 @@ def test_probe_does_not_take_this_cpu_build_for_a_gpu():
         assert ok and "gpu" in last
     else:
         assert not ok and last == "Device(cpu, 0)"
+
+
+def test_a_gpu_build_that_pip_cannot_install_leaves_the_cpu_build():
+    # offline, or no wheel for this platform: nothing of it may stay half-installed
+    build, calls, said = run_setup(SMI_580, {"cpu"}, (True, "never"), fail_on="mlx[cuda13]==0.32.4")
+    assert build == "cpu"
+    assert calls == [
+        ["uninstall", "-q", "-y", "mlx-cpu"],
+        ["install", "-q", "mlx[cuda13]==0.32.4"],
+        ["uninstall", "-q", "-y", "mlx-cpu", "mlx-cuda-12", "mlx-cuda-13"],
+        ["install", "-q", "mlx[cpu]==0.32.4"],
+    ]
+    assert said == [
+        "warning: installing MLX's cuda13 build failed (pip exit status 1); keeping its CPU build"
+    ]
+    site = FakeSite({"cpu"}, "cpu")  # pip skips builds that are not installed
+    for step in calls:
+        if step == ["install", "-q", "mlx[cuda13]==0.32.4"]:
+            continue  # the install that failed wrote nothing
+        site.pip([a for a in step if a not in ("mlx-cuda-12", "mlx-cuda-13")])
+    assert site.files == {FakeSite.LIB: "cpu"}
+
+
+def test_a_cpu_build_that_pip_cannot_install_is_an_error():
+    with pytest.raises(subprocess.CalledProcessError):
+        run_setup(None, {"cuda13"}, (False, "never"), fail_on="mlx[cpu]==0.32.4")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's builds are Linux's")
+def test_an_explicit_choice_is_remembered_by_later_installs(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(backend.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(backend, "setup", lambda env, *a, recorded="": seen.append(recorded))
+    monkeypatch.setenv("MLX_DEVICE", "cpu")
+    assert backend.main() == 0
+    assert (tmp_path / ".mlx-device").read_text() == "cpu\n"
+    monkeypatch.setenv("MLX_DEVICE", "")
+    assert backend.main() == 0 and seen[-1] == "cpu\n"
+    monkeypatch.setenv("MLX_DEVICE", "rocm")
+    assert backend.main() == 2  # said on stderr, nothing recorded
+    assert (tmp_path / ".mlx-device").read_text() == "cpu\n"
