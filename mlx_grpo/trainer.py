@@ -49,7 +49,7 @@ from mlx_grpo.recipe import Recipe, Scored, Task
 from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
 from mlx_grpo.runfolder import RunFolder
 from mlx_grpo.trackers import Trackers
-from mlx_grpo.warmstart import warm_start
+from mlx_grpo.warmstart import check_ranks, warm_start
 
 
 class TrainingError(RuntimeError):
@@ -248,20 +248,16 @@ def train(
             f"train.batch_size={b} is smaller than the {dist.size} ranks: "
             "each rank needs at least one group"
         )
-    for option, on in [("guidance", cfg.grpo.guidance), ("demo_starts", cfg.grpo.demo_starts)]:
+    for option, on in [
+        ("grpo.guidance", cfg.grpo.guidance),
+        ("grpo.demo_starts", cfg.grpo.demo_starts),
+        ("train.sft_steps", cfg.train.sft_steps),
+    ]:
         if on and not callable(getattr(recipe.module, "demonstrate", None)):
             raise TrainingError(
-                f"grpo.{option}: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
+                f"{option}: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
             )
-    if cfg.train.sft_steps and not callable(getattr(recipe.module, "demonstrate", None)):
-        raise TrainingError(
-            f"train.sft_steps: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
-        )
-    if cfg.train.sft_steps and dist.size > cfg.train.sft_batch_size:
-        raise TrainingError(
-            f"train.sft_batch_size={cfg.train.sft_batch_size} is smaller than the "
-            f"{dist.size} ranks: each rank needs at least one demonstration a step"
-        )
+    check_ranks(cfg.train, dist)  # before the base evaluation, not after it
     if cfg.grpo.demo_starts and not recipe.multi_turn:
         raise TrainingError(f"grpo.demo_starts: recipe {recipe.name} is single-turn")
     if not main:
@@ -282,6 +278,7 @@ def train(
             k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
         }
         info(f"held-out before training: {shown}")
+
     rollout_fn = rollout_fn or rollout_tasks
     if cfg.grpo.compile:
         if loss is not None:

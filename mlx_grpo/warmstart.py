@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ from mlx_grpo.grpo import LossInputs
 from mlx_grpo.guidance import demonstration
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.recipe import Recipe, Task
-from mlx_grpo.rollout import Completion, close_env, encode_prompt
+from mlx_grpo.rollout import Completion, Rollout, close_env, encode_prompt
 
 
 def first_prompt(recipe: Recipe, tokenizer, task: Task, max_prompt_tokens: int) -> list[int]:
@@ -98,24 +99,15 @@ def sft_loss(
     return nll, {"nll": nll}
 
 
-def batch_of(prompts: list[list[int]], comps: list[Completion], max_new_tokens: int) -> LossInputs:
-    """One row per demonstration, right-padded, masked to the model's own tokens."""
-    width = max(len(c.tokens) for c in comps)
-    tokens = np.zeros((len(comps), width), dtype=np.int32)
-    mask = np.zeros((len(comps), width), dtype=np.float32)
-    for i, c in enumerate(comps):
-        tokens[i, : len(c.tokens)] = c.tokens
-        mask[i, : len(c.tokens)] = 1.0 if c.loss_mask is None else c.loss_mask
-    return LossInputs(
-        prompts=[mx.array(p) for p in prompts],
-        completions=mx.array(tokens),
-        mask=mx.array(mask),
-        advantages=mx.ones(len(comps)),
-        old_logprobs=None,
-        ref_logprobs=None,
-        max_new_tokens=max_new_tokens,
-        total_tokens=float(mask.sum()),
-    )
+def check_ranks(tc, dist: Dist) -> None:
+    """Each rank needs at least one demonstration a step."""
+    from mlx_grpo.trainer import TrainingError
+
+    if tc.sft_steps and tc.sft_batch_size < dist.size:
+        raise TrainingError(
+            f"train.sft_batch_size={tc.sft_batch_size} is smaller than the {dist.size} "
+            "ranks: each rank needs at least one demonstration a step"
+        )
 
 
 def warm_start(
@@ -132,15 +124,16 @@ def warm_start(
     share of each step's rows; the gradients are summed over ranks, so all take the
     same step. Returns a summary: the demonstrations used per level, the NLL of each
     step and the seconds taken."""
-    from mlx_grpo.trainer import TrainingError, apply_update, policy_gradient
+    from mlx_grpo.trainer import (
+        TrainingError,
+        apply_update,
+        build_loss_inputs,
+        policy_gradient,
+    )
 
     tc = cfg.train
     dist = dist or Dist()
-    if tc.sft_batch_size < dist.size:
-        raise TrainingError(
-            f"train.sft_batch_size={tc.sft_batch_size} is smaller than the {dist.size} "
-            "ranks: each rank needs at least one demonstration a step"
-        )
+    check_ranks(tc, dist)
     tic = time.perf_counter()
     rng = np.random.default_rng([tc.seed, 7_305])  # apart from the run's other draws
     pool = by_level(tasks, tc.sft_steps * tc.sft_batch_size, rng)
@@ -168,7 +161,8 @@ def warm_start(
         rows = order[step * tc.sft_batch_size : (step + 1) * tc.sft_batch_size].tolist()
         mine = dist.share(len(rows))
         local = rows[mine.start : mine.stop]
-        batch = batch_of([prompts[r] for r in local], [comps[r] for r in local], max_new)
+        shown = Rollout([prompts[r] for r in local], [comps[r] for r in local], 1)
+        batch = build_loss_inputs(shown, mx.ones(len(local)), max_new, mask_truncated=False)
         batch.total_tokens = float(sum(comps[r].model_tokens for r in rows))  # all ranks'
         loss, _, grads, grad_norm, _ = policy_gradient(
             model, loss_and_grad, batch, dist, cfg.optimizer.max_grad_norm,
@@ -182,12 +176,9 @@ def warm_start(
         apply_update(model, optimizer, grads)
         nll.append(loss.item())
     model.eval()
-    levels: dict[int, int] = {}
-    for task in kept:
-        levels[task.level] = levels.get(task.level, 0) + 1
     return {
         "demonstrations": len(comps),
-        "levels": dict(sorted(levels.items())),
+        "levels": dict(sorted(Counter(task.level for task in kept).items())),
         "nll": nll,
         "seconds": time.perf_counter() - tic,
     }

@@ -18,7 +18,9 @@ from mlx_grpo.cli import cmd_train, resolve_config
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.grpo import micro_batches
 from mlx_grpo.recipe import Recipe, Task
-from mlx_grpo.warmstart import batch_of, by_level, demonstrations, sft_loss, warm_start
+from mlx_grpo.rollout import Rollout
+from mlx_grpo.trainer import build_loss_inputs
+from mlx_grpo.warmstart import by_level, demonstrations, sft_loss, warm_start
 
 TOY_ENV = Path(__file__).parent / "data" / "toy_env"
 CFG = RolloutConfig(max_new_tokens=6, max_turns=3, max_prompt_tokens=10**6)
@@ -44,7 +46,8 @@ def test_sft_loss_is_the_mean_nll_of_the_replies_and_micro_batches_add_up(tiny, 
     recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
     prompts, comps, kept = demonstrations(recipe, tok, recipe.tasks("train", 6, 0), CFG)
     assert len(comps) == 6 and {t.payload["turns"] for t in kept} == {1, 2, 3}
-    batch = batch_of(prompts, comps, CFG.max_new_tokens * CFG.max_turns)
+    shown = Rollout(prompts, comps, 1)
+    batch = build_loss_inputs(shown, mx.ones(len(comps)), CFG.max_new_tokens * CFG.max_turns, False)
     # Only the replies (and their EOS) are in the loss, never the environment's tokens.
     replies = len(tok.encode("ok", add_special_tokens=False)) + 1
     assert batch.mask.sum().item() == replies * sum(t.payload["turns"] for t in kept)
