@@ -37,6 +37,7 @@ from mlx_grpo.grpo import (
     LossInputs,
     entropy_bonus_on,
     entropy_weight,
+    kl_weight,
     objective,
     turn_weights,
 )
@@ -108,7 +109,9 @@ class CompiledLossAndGrad:
         # value_and_grad leaves its (traced) parameters in the model: they go back out.
         self._step = mx.compile(traced, inputs=model.state, outputs=model.state)
 
-    def _loss(self, model, prompt, start, comp, mask, adv, old, ref, weights, guided, counts, coef):
+    def _loss(
+        self, model, prompt, start, comp, mask, adv, old, ref, weights, guided, counts, coef, beta
+    ):
         r, c = comp.shape
         cache = [_LeftPadded(start) for _ in model.layers]
         hidden = model.model(prompt, cache=cache)[:, -1:]  # the last prompt token is real
@@ -131,6 +134,7 @@ class CompiledLossAndGrad:
             total_rows=counts[0],
             total_tokens=counts[1],
             entropy_coef=coef,
+            beta=beta,
             guided=guided,
         )
         return objective(lp, ent, batch, self.cfg, weights=weights)
@@ -191,7 +195,8 @@ class CompiledLossAndGrad:
                 continue
             counts = mx.array([total_rows, total_tokens, batch.max_new_tokens], mx.float32)
             coef = mx.array(entropy_weight(batch, self.cfg), mx.float32)
-            (g_loss, g_m), g_grads = self._step(*arrays, counts, coef)
+            beta = mx.array(kl_weight(batch, self.cfg), mx.float32)
+            (g_loss, g_m), g_grads = self._step(*arrays, counts, coef, beta)
             loss = loss + g_loss
             metrics = {k: metrics[k] + g_m[k] for k in metrics}
             grads = g_grads if grads is None else tree_map(mx.add, grads, g_grads)

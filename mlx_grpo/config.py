@@ -137,6 +137,21 @@ class GRPOConfig(_Section):
     entropy_coef_max: float = Field(
         0.05, gt=0, description="Upper bound of the adaptive entropy weight."
     )
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="KL to the reference (the logged `kl`, nats per token) that an adaptive "
+        "beta holds the policy near, as in Ziegler et al. (2019): after each update beta "
+        "is multiplied by 1 + kl_rate x clip(kl / kl_target - 1, -0.2, 0.2), within "
+        "[1e-4, 1] (logged as kl/beta). It starts at grpo.beta, so rises while the "
+        "policy drifts faster than the target allows and falls while it stays close. "
+        "None: a fixed beta.",
+    )
+    kl_rate: float = Field(
+        0.5,
+        gt=0,
+        description="Gain of the adaptive beta: at most a 0.2 x kl_rate change a step.",
+    )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio.")
     epsilon_high: float | None = Field(
         None,
@@ -468,6 +483,10 @@ class RunConfig(_Section):
     def _consistent(self) -> RunConfig:
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
             raise ValueError("grpo.epsilon_high must be >= grpo.epsilon (it widens the upper clip)")
+        if self.grpo.kl_target is not None and self.grpo.beta == 0:
+            raise ValueError(
+                "grpo.kl_target needs grpo.beta > 0: beta is where the adaptive weight starts"
+            )
         return self
 
 

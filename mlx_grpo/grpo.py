@@ -35,7 +35,8 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
   std of all rewards in the step; "none" keeps raw centred rewards (Dr. GRPO), which
   removes the up-weighting of groups that are almost all right or all wrong.
 - `beta=0.04` (default): the k3 KL to the adapter-free model; 0 skips the reference
-  pass.
+  pass. With `kl_target` beta is a controller's state (`next_beta`, Ziegler et al.
+  2019): it grows while the logged KL is above the target and shrinks below it.
 - `epsilon_high` (DAPO clip-higher) widens the upper clip only.
 - `importance_sampling_level="sequence"` (GSPO, TRL's option) replaces rho_it by one
   ratio per completion, s_i = exp(mean_t log(pi_theta / pi_old)) over its loss tokens,
@@ -120,6 +121,9 @@ class LossInputs:
     # config's `entropy_coef`); an array under grpo.compile, so that a new value does
     # not trigger a new trace.
     entropy_coef: float | mx.array | None = None
+    # The KL weight this step (`next_beta` moves it under grpo.kl_target; None: the
+    # config's `beta`); an array under grpo.compile, as `entropy_coef`.
+    beta: float | mx.array | None = None
     # [N] 1.0 on the rows that are demonstrations (grpo.guidance), not the policy's own
     # samples: the metrics report them apart (`GUIDED_PARTS`).
     guided: mx.array | None = None
@@ -219,7 +223,8 @@ def per_token_loss(
     clipped = mx.clip(ratio, 1 - epsilon, 1 + epsilon_high) * adv
     loss = mx.broadcast_to(-mx.minimum(unclipped, clipped), logp.shape)
     is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
-    if ref_logp is not None and beta > 0:
+    # An array beta (the adaptive weight, under grpo.compile) is > 0 by construction.
+    if ref_logp is not None and (isinstance(beta, mx.array) or beta > 0):
         d = ref_logp - logp
         kl = mx.exp(d) - d - 1
         loss = loss + beta * kl
@@ -323,8 +328,9 @@ def objective(
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     mask, tokens = batch.mask, batch.total_tokens
     level = cfg.importance_sampling_level
+    beta = kl_weight(batch, cfg)
     tok_loss, kl, clipped, ratio = per_token_loss(
-        logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, cfg.beta, mask, level
+        logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, beta, mask, level
     )
     counts = (cfg.loss_type, batch.max_new_tokens, batch.total_rows, tokens, weights)
     loss = aggregate(tok_loss, mask, *counts)
@@ -338,7 +344,7 @@ def objective(
     if entropy_bonus_on(cfg):  # the entropies carry a gradient (completion_logprobs)
         loss = loss - entropy_weight(batch, cfg) * mean_entropy
     metrics = {
-        "loss/policy": aggregate(tok_loss - cfg.beta * kl, mask, *counts),
+        "loss/policy": aggregate(tok_loss - beta * kl, mask, *counts),
         "kl": masked_mean(kl, mask, tokens),
         "clip/frac": clip_frac,
         "ratio/mean": ratio_mean,
@@ -406,3 +412,33 @@ def next_entropy_coef(coef: float, entropy: float, cfg) -> float:
         return coef
     coef += cfg.entropy_coef_rate * (cfg.entropy_target - entropy)
     return min(max(coef, 0.0), cfg.entropy_coef_max)
+
+
+# Where the adaptive KL weight stays (grpo.kl_target): above 0, so that the reference
+# pass it needs keeps running, and at most 1, where the KL term outweighs any advantage.
+BETA_RANGE = (1e-4, 1.0)
+# Ziegler et al. (2019) clip the controller's error to +-0.2, so that one noisy step
+# moves beta by at most 0.2 x kl_rate.
+KL_ERROR_CLIP = 0.2
+
+
+def kl_weight(batch: LossInputs, cfg) -> float | mx.array:
+    """The KL term's weight for `batch`: its own (the adaptive beta), else the config's."""
+    return cfg.beta if batch.beta is None else batch.beta
+
+
+def next_beta(beta: float, kl: float, cfg) -> float:
+    """The KL weight for the next step, after a step whose mean token KL to the
+    reference was `kl`: unchanged without `cfg.kl_target`, else Ziegler et al. (2019)'s
+    proportional controller, beta x (1 + kl_rate x clip(kl / kl_target - 1, +-0.2)),
+    within BETA_RANGE.
+
+    >>> from types import SimpleNamespace as C
+    >>> cfg = C(kl_target=0.1, kl_rate=0.5)
+    >>> round(next_beta(0.04, 0.3, cfg), 6), round(next_beta(0.04, 0.09, cfg), 6)
+    (0.044, 0.0398)
+    """
+    if cfg.kl_target is None or not math.isfinite(kl):
+        return beta
+    error = min(max(kl / cfg.kl_target - 1.0, -KL_ERROR_CLIP), KL_ERROR_CLIP)
+    return min(max(beta * (1.0 + cfg.kl_rate * error), BETA_RANGE[0]), BETA_RANGE[1])

@@ -36,6 +36,7 @@ from mlx_grpo.grpo import (
     group_advantages,
     grpo_loss,
     micro_batches,
+    next_beta,
     next_entropy_coef,
     split_guided,
     zero_variance_groups,
@@ -159,6 +160,7 @@ class Counters:
     history: dict[str, list[float]] = field(default_factory=dict)
     guard_streak: dict[str, int] = field(default_factory=dict)
     entropy_coef: float | None = None  # the adaptive entropy bonus's weight (None: not begun)
+    beta: float | None = None  # the KL weight, adaptive under grpo.kl_target (None: not begun)
 
 
 @dataclass
@@ -267,6 +269,8 @@ def train(
     start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum, say)
     if counters.entropy_coef is None:  # a new run, or one from before the option
         counters.entropy_coef = cfg.grpo.entropy_coef
+    if counters.beta is None or cfg.grpo.kl_target is None:  # new, older, or a fixed beta
+        counters.beta = cfg.grpo.beta
     trackers = Trackers(run_dir, cfg.output.report_to if main else [], cfg.model_dump())
     if trackers.names:
         info(f"report_to: {trackers.where()}")
@@ -393,7 +397,7 @@ def train(
             train_groups = _groups_to_train(no_signal, b, cfg.grpo.skip_zero_variance_groups)
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
-            entropy_coef = counters.entropy_coef
+            entropy_coef, beta = counters.entropy_coef, counters.beta
             if train_groups:  # the same on every rank: all of them join the update
                 local = [i - mine.start for i in train_groups if i in mine]
                 batch = None
@@ -406,7 +410,7 @@ def train(
                         local,
                         silent,
                     )
-                    batch.entropy_coef = entropy_coef
+                    batch.entropy_coef, batch.beta = entropy_coef, beta
                 it_metrics, delta, sync_s = update_step(
                     model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
                     len(train_groups) * g,
@@ -415,6 +419,8 @@ def train(
             if it_metrics and "entropy" in it_metrics[-1]:  # (not from demonstrations alone)
                 entropy = it_metrics[-1]["entropy"]
                 counters.entropy_coef = next_entropy_coef(entropy_coef, entropy, cfg.grpo)
+            if it_metrics and "kl" in it_metrics[-1]:
+                counters.beta = next_beta(beta, it_metrics[-1]["kl"], cfg.grpo)
 
             budget = cfg.train.token_budget
             last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
@@ -433,6 +439,8 @@ def train(
                 metrics["time/guidance_s"] = max(sh["guidance_seconds"] for sh in shares)
             if entropy_bonus_on(cfg.grpo):
                 metrics["entropy/coef"] = entropy_coef  # the weight this step's update used
+            if cfg.grpo.kl_target is not None:
+                metrics["kl/beta"] = beta  # the KL weight this step's update used
             if cfg.grpo.compile:
                 metrics["compile/traces"] = loss_and_grad.traces
             if (decoder := getattr(model, "_compiled_decoder", None)) is not None:
@@ -823,8 +831,14 @@ def _guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
             "lower learning rate"
         )
     if key == "kl":
+        if cfg.grpo.kl_target is not None:
+            return (
+                "the policy is moving away faster than the adaptive beta follows: raise "
+                "--grpo.kl_rate or lower --grpo.kl_target or --optimizer.learning_rate"
+            )
         return (
-            "the policy is moving away fast: lower --optimizer.learning_rate or raise --grpo.beta"
+            "the policy is moving away fast: lower --optimizer.learning_rate, raise "
+            "--grpo.beta, or let a controller hold it near a target (--grpo.kl_target)"
         )
     return "the updates are too large for this signal: lower --optimizer.learning_rate"
 

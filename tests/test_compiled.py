@@ -54,23 +54,27 @@ def _update(model, grad_fn, batch, max_positions=None):
 
 
 @pytest.mark.parametrize(
-    "loss_type, level, beta, iterations, bonus",
+    "loss_type, level, beta, iterations, bonus, adaptive_beta",
     [
-        ("dapo", "token", 0.04, 1, 0.0),
-        ("grpo", "token", 0.0, 2, 0.0),
-        ("dr_grpo", "token", 0.04, 2, 0.0),
-        ("turn", "token", 0.04, 1, 0.0),
-        ("turn", "token", 0.04, 1, 0.3),
-        ("grpo", "sequence", 0.04, 2, 0.0),
-        ("turn", "sequence", 0.0, 1, 0.0),
+        ("dapo", "token", 0.04, 1, 0.0, None),
+        ("grpo", "token", 0.0, 2, 0.0, None),
+        ("dr_grpo", "token", 0.04, 2, 0.0, None),
+        ("turn", "token", 0.04, 1, 0.0, None),
+        ("turn", "token", 0.04, 1, 0.3, None),
+        ("turn", "token", 0.04, 1, 0.0, 0.5),
+        ("grpo", "sequence", 0.04, 2, 0.0, None),
+        ("turn", "sequence", 0.0, 1, 0.0, None),
     ],
 )
-def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, iterations, bonus):
+def test_compiled_update_equals_the_eager_update(
+    tiny, loss_type, level, beta, iterations, bonus, adaptive_beta
+):
     """Prompts of three lengths (one a multiple of 32, so unpadded), completions of
     several lengths (past 32, so two blocks), a group on the eager sparse head, and a
     micro-batch budget that cuts a group into runs of rows: loss, every metric and every
-    gradient agree with the eager update (with an entropy bonus too, and two rows marked
-    as demonstrations, which the metrics report apart)."""
+    gradient agree with the eager update (with an entropy bonus too, an adaptive KL
+    weight in the batch, and two rows marked as demonstrations, which the metrics
+    report apart)."""
     model, _ = tiny
     _lora(model)
     g, c = 4, 40
@@ -86,6 +90,7 @@ def test_compiled_update_equals_the_eager_update(tiny, loss_type, level, beta, i
         entropy_coef=bonus,
     )
     batch.entropy_coef = bonus
+    batch.beta = adaptive_beta
     batch.guided = mx.array([0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0], mx.float32)
     if iterations == 1:
         batch.old_logprobs = None

@@ -50,6 +50,8 @@ def test_layers_apply_in_order(tmp_path):
         (["--nosuch.field=1"], "unknown field 'nosuch'"),
         (["--grpo.scale_rewards=std"], "grpo.scale_rewards"),
         (["--grpo.epsilon=0.3", "--grpo.epsilon_high=0.1"], "grpo.epsilon_high"),
+        (["--grpo.beta=0", "--grpo.kl_target=0.1"], "grpo.kl_target needs grpo.beta > 0"),
+        (["--grpo.kl_target=0"], "grpo.kl_target"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_field(args, needle):

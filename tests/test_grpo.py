@@ -16,7 +16,9 @@ from mlx_grpo.grpo import (
     group_advantages,
     grpo_loss,
     micro_batches,
+    next_beta,
     next_entropy_coef,
+    objective,
     per_token_loss,
     zero_variance_groups,
 )
@@ -145,6 +147,62 @@ def test_loss_and_gradient_match_numpy(loss_type, beta, level):
     # The test can fail: some tokens (rows, at sequence level) are clipped (zero
     # gradient) and some are not.
     assert (np.array(grad)[mask > 0] == 0).any() == (beta == 0)
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_the_batch_beta_of_an_adaptive_kl_weight_is_the_one_the_loss_uses(as_array):
+    """With `batch.beta` set (the controller's weight; an array under grpo.compile), the
+    loss and its gradient are the hand-written ones at that beta, not the config's."""
+    rng = np.random.default_rng(3)
+    n, c = 8, 5
+    logp = -rng.random((n, c)).astype(np.float32) * 3
+    ref = logp + rng.normal(0, 0.5, (n, c)).astype(np.float32)
+    adv = rng.normal(0, 1, n).astype(np.float32)
+    mask = (rng.random((n, c)) > 0.3).astype(np.float32)
+    mask[:, 0] = 1
+    cfg = GRPOConfig(num_generations=4, beta=0.04, loss_type="dapo")
+    batch = LossInputs(
+        prompts=[],
+        completions=mx.zeros((n, c), mx.int32),
+        mask=mx.array(mask),
+        advantages=mx.array(adv),
+        old_logprobs=None,
+        ref_logprobs=mx.array(ref),
+        max_new_tokens=c,
+        beta=mx.array(0.7) if as_array else 0.7,
+    )
+
+    def f(lp):
+        return objective(lp, mx.zeros((n, c)), batch, cfg)
+
+    (value, metrics), grad = mx.value_and_grad(f)(mx.array(logp))
+    want, want_grad = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.7, "dapo", c)
+    assert_f32_close(value.item(), want, n * c, "loss")
+    assert_f32_close(np.array(grad) * mask, want_grad * mask, n * c, "gradient")
+    # The policy part leaves the KL term out at the same beta.
+    policy, _ = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.0, "dapo", c)
+    assert_f32_close(metrics["loss/policy"].item(), policy, n * c, "loss/policy")
+    # The config's beta would give another loss: the check can fail.
+    other, _ = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.04, "dapo", c)
+    assert abs(other - want) > 0.01
+
+
+def test_kl_controller_moves_beta_toward_the_target_within_bounds():
+    cfg = GRPOConfig(beta=0.04, kl_target=0.1, kl_rate=0.5)
+    assert next_beta(0.04, 0.11, cfg) == pytest.approx(0.04 * (1 + 0.5 * 0.1))  # up
+    assert next_beta(0.04, 0.5, cfg) == pytest.approx(0.04 * (1 + 0.5 * 0.2))  # error clipped
+    assert next_beta(0.04, 0.0, cfg) == pytest.approx(0.04 * (1 - 0.5 * 0.2))  # down, clipped
+    assert next_beta(0.04, 0.1, cfg) == 0.04  # on target: stays
+    assert next_beta(0.04, float("nan"), cfg) == 0.04  # a skipped update: stays
+    assert next_beta(0.999, 9.0, cfg) == 1.0 and next_beta(1e-4, 0.0, cfg) == 1e-4  # bounds
+    assert next_beta(0.04, 9.0, GRPOConfig(beta=0.04)) == 0.04  # no target: a fixed beta
+    # Driven by a policy whose KL falls as beta rises, it settles at the target from
+    # either side.
+    for beta in (0.001, 0.8):
+        for _ in range(600):
+            kl = 0.02 / (0.01 + beta)
+            beta = next_beta(beta, kl, cfg)
+        assert 0.02 / (0.01 + beta) == pytest.approx(0.1, rel=0.01)
 
 
 def test_turn_loss_is_grpo_for_single_turn_completions():

@@ -614,6 +614,43 @@ def test_guards_warn_when_entropy_stays_above_twice_its_recent_median():
     assert Counters(**json.loads(json.dumps(counters.__dict__))).history == counters.history
 
 
+def test_adaptive_kl_weight_is_logged_follows_the_controller_and_resumes(tiny_model_dir, tmp_path):
+    """kl/beta starts at grpo.beta, then follows next_beta on the KL of each step that
+    updated (held at a target below the policy's KL, it rises); a run resumed from step
+    3 carries it on to the same metrics and adapters as the uninterrupted run."""
+    import shutil
+
+    from mlx_grpo.config import GRPOConfig
+    from mlx_grpo.grpo import next_beta
+
+    opts = ["--grpo.beta=0.04", "--grpo.kl_target=1e-6", "--grpo.kl_rate=1.0"]
+    opts += ["--output.save_every=1", "--output.keep_last=9"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "a", *opts)) == 0
+    rows = _metrics(tmp_path / "a")
+    cfg = GRPOConfig(beta=0.04, kl_target=1e-6, kl_rate=1.0)
+    beta, moved = 0.04, 0
+    for r in rows:
+        assert r["kl/beta"] == pytest.approx(beta, rel=1e-12)
+        if r["groups/trained"]:
+            beta = next_beta(beta, r["kl"], cfg)
+            moved += r["kl"] > 0
+    # Step 1 starts at the reference (KL 0: beta falls); later steps drift from it.
+    assert moved and rows[-1]["kl/beta"] > rows[1]["kl/beta"], [r["kl/beta"] for r in rows]
+    # The updates use it: a run at the fixed beta ends with other adapters.
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "fixed", "--grpo.beta=0.04")) == 0
+    x = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
+    y = mx.load(str(tmp_path / "fixed" / "adapters.safetensors"))
+    assert not all(mx.array_equal(x[k], y[k]).item() for k in x)
+
+    b = tmp_path / "b"
+    shutil.copytree(tmp_path / "a", b)
+    for late in ("step-000004", "step-000005", "step-000006"):
+        shutil.rmtree(b / late)
+    (b / "latest").write_text(json.dumps({"step_dir": "step-000003", "step": 3}))
+    assert cmd_train(["--resume", str(b)]) == 0
+    _same_run(tmp_path / "a", b)
+
+
 def test_adaptive_entropy_weight_is_logged_follows_the_controller_and_resumes(
     tiny_model_dir, tmp_path
 ):
