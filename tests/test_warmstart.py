@@ -142,3 +142,19 @@ def test_the_warm_start_needs_a_recipe_that_demonstrates(tiny_model_dir, tmp_pat
     args = ["--recipe", str(capitals), f"--model.path={tiny_model_dir}", "--train.sft_steps=2"]
     with pytest.raises(TrainingError, match=r"^train.sft_steps: recipe .* defines no demonstrate"):
         cmd_train([*args, f"--output.dir={tmp_path}", "--output.run=x"])
+
+
+def test_each_rank_needs_a_demonstration_a_step():
+    """Under `mlx.launch` a warm-start step of fewer rows than ranks is refused in one
+    line naming the field; without a warm start any batch size goes."""
+    from types import SimpleNamespace
+
+    from mlx_grpo.config import TrainConfig
+    from mlx_grpo.trainer import TrainingError
+    from mlx_grpo.warmstart import check_ranks
+
+    two = SimpleNamespace(size=2)
+    with pytest.raises(TrainingError, match=r"train.sft_batch_size=1 is smaller than the 2 ranks"):
+        check_ranks(TrainConfig(sft_steps=3, sft_batch_size=1), two)
+    check_ranks(TrainConfig(sft_steps=3, sft_batch_size=2), two)
+    check_ranks(TrainConfig(sft_steps=0, sft_batch_size=1), two)
