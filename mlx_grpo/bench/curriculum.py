@@ -213,6 +213,9 @@ def train_one(run: Path, strategy: str, seed: int, args, extra: list[str]) -> No
         f"--train.eval_every={args.eval_every}",
         f"--train.eval_tasks={args.eval_tasks}",
         "--optimizer.schedule=constant",
+        # The strategies are compared on GRPO from the base policy: a recipe's warm
+        # start would show every strategy the same demonstrations first.
+        "--train.sft_steps=0",
         f"--output.dir={run.parent}",
         f"--output.run={run.name}",
         "--output.live=no",
