@@ -274,7 +274,7 @@ def train(
     trackers = Trackers(run_dir, cfg.output.report_to if main else [], cfg.model_dump())
     if trackers.names:
         info(f"report_to: {trackers.where()}")
-    if main and evaluate_fn and cfg.train.eval_every and start == 0:
+    if main and evaluate_fn and cfg.train.eval_every and resume_from is None:
         # The base model's held-out figures: where the curves in eval.jsonl start.
         base = evaluate_fn(0, {"rollout_tokens": 0})
         trackers.log(0, base)
@@ -295,7 +295,7 @@ def train(
 
     # The trackers close however the loop ends (a kill is what resuming mends).
     with trackers, _CtrlC(say, dist.size == 1) as ctrl_c:
-        if cfg.train.sft_steps and start == 0:
+        if cfg.train.sft_steps and resume_from is None:  # (a step-0 resume is past it)
             tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
             warm = warm_start(model, tokenizer, recipe, tasks, cfg, say, dist)
             if main:
@@ -306,6 +306,12 @@ def train(
                 f"demonstrations (per level {warm['levels']}), NLL {nll[0]:.3f} -> "
                 f"{nll[-1]:.3f}, {warm['seconds']:.0f} s"
             )
+            # Checkpoint step 0: a kill before step save_every keeps the warm start,
+            # and `compare --b <run>@0` measures it alone.
+            state = TrainState(0, counters.__dict__.copy(), curriculum.state_dict())
+            args = (run_dir, 0, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
+            go_on = cfg.output.on_full_disk == "continue"
+            dist.run_on_main(lambda a=args, g=go_on: _save(a, g, say))
         for step in range(start + 1, cfg.train.steps + 1):
             mx.reset_peak_memory()
             # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed

@@ -125,7 +125,31 @@ def test_a_run_warms_up_after_the_base_evaluation(tiny_model_dir, tmp_path, monk
     summary = json.loads((tmp_path / "r" / "warmstart.json").read_text())
     assert len(summary["nll"]) == 2 and summary["demonstrations"] == 16
     assert calls == [1]
-    assert cmd_train(["--resume", str(tmp_path / "r"), "--train.steps=4"]) == 0
+    # Step 0 is checkpointed after the warm start: a run killed before its first
+    # step's checkpoint resumes past the warm start, to the same run.
+    import shutil
+
+    from mlx_grpo.runfolder import RunFolder
+
+    run = RunFolder(tmp_path / "r")
+    assert [p.name for p in run.step_dirs()][0] == "step-000000"
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "r", cut)
+    for late in RunFolder(cut).step_dirs()[1:]:
+        shutil.rmtree(late)
+    (cut / "latest").write_text(json.dumps({"step_dir": "step-000000", "step": 0}))
+    assert cmd_train(["--resume", str(cut)]) == 0
+    assert calls == [1]
+    timing = ("time/", "rollout/tokens_per_s", "memory/")
+    rows = [
+        [{k: v for k, v in json.loads(x).items() if not k.startswith(timing)} for x in lines]
+        for lines in ((d / "metrics.jsonl").read_text().splitlines() for d in (run.path, cut))
+    ]
+    assert rows[0] == rows[1] and len(rows[0]) == 3
+    assert (cut / "eval.jsonl").read_text() == (run.path / "eval.jsonl").read_text()
+    x, y = (mx.load(str(d / "adapters.safetensors")) for d in (run.path, cut))
+    assert all(mx.array_equal(x[k], y[k]).item() for k in x)
+    assert cmd_train(["--resume", str(tmp_path / "r"), "--train.steps=8"]) == 0
     assert calls == [1]
 
 
