@@ -78,6 +78,13 @@ def _settings_table(run: Run) -> str:
     rows = [
         ("recipe", c.recipe.name),
         ("steps", f"{_fmt(run.step)} (of {c.train.steps} configured)"),
+        (
+            "supervised warm start",
+            f"{c.train.sft_steps} steps of {c.train.sft_batch_size} of the recipe's "
+            f"demonstrations, lr {c.train.sft_learning_rate:g}"
+            if c.train.sft_steps
+            else "none",
+        ),
         ("prompts per step x group size G", f"{c.train.batch_size} x {c.grpo.num_generations}"),
         ("LoRA rank r", lora["rank"]),
         ("LoRA scale (PEFT lora_alpha / r)", f"{lora['scale']:g}"),
@@ -86,7 +93,12 @@ def _settings_table(run: Run) -> str:
         ("LoRA modules", c.lora.keys or "every linear layer"),
         ("loss aggregation", c.grpo.loss_type),
         ("advantage scaling", c.grpo.scale_rewards),
-        ("KL coefficient beta (k3)", c.grpo.beta),
+        (
+            "KL coefficient beta (k3)",
+            c.grpo.beta
+            if c.grpo.kl_target is None
+            else f"{c.grpo.beta:g} at the start, adaptive (KL target {c.grpo.kl_target:g})",
+        ),
         (
             "clip epsilon (low / high)",
             f"{c.grpo.epsilon:g} / {c.grpo.epsilon_high or c.grpo.epsilon:g}",
