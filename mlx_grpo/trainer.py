@@ -282,7 +282,6 @@ def train(
             k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
         }
         info(f"held-out before training: {shown}")
-
     rollout_fn = rollout_fn or rollout_tasks
     if cfg.grpo.compile:
         if loss is not None:
@@ -292,6 +291,13 @@ def train(
         loss = loss or grpo_loss
         loss_and_grad = nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
     history: list[dict] = []
+
+    def checkpoint(step: int, go_on: bool) -> None:
+        """Save step `step` on rank 0 only (a failure there stops every rank); with
+        `go_on`, a full disk costs only this checkpoint (`_save`)."""
+        state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
+        args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
+        dist.run_on_main(lambda: _save(args, go_on, say))
 
     # The trackers close however the loop ends (a kill is what resuming mends).
     with trackers, _CtrlC(say, dist.size == 1) as ctrl_c:
@@ -308,10 +314,7 @@ def train(
             )
             # Checkpoint step 0: a kill before step save_every keeps the warm start,
             # and `compare --b <run>@0` measures it alone.
-            state = TrainState(0, counters.__dict__.copy(), curriculum.state_dict())
-            args = (run_dir, 0, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
-            go_on = cfg.output.on_full_disk == "continue"
-            dist.run_on_main(lambda a=args, g=go_on: _save(a, g, say))
+            checkpoint(0, cfg.output.on_full_disk == "continue")
         for step in range(start + 1, cfg.train.steps + 1):
             mx.reset_peak_memory()
             # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
@@ -465,11 +468,7 @@ def train(
             history.append(metrics)
             stopping = ctrl_c.requested
             if step % cfg.output.save_every == 0 or last or stopping:
-                state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
-                # On rank 0 only; a failure there stops every rank.
-                args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
-                go_on = cfg.output.on_full_disk == "continue" and not (last or stopping)
-                dist.run_on_main(lambda a=args, g=go_on: _save(a, g, say))
+                checkpoint(step, cfg.output.on_full_disk == "continue" and not (last or stopping))
             if callback is not None:
                 callback(step, metrics)
             if stopping and not last:

@@ -83,6 +83,21 @@ def write_byte_tokenizer(folder: Path) -> int:
 U32 = 2.0**-24
 
 
+def cut_back(run: Path, copy: Path, step: int) -> Path:
+    """`copy`: the run folder `run` as a kill right after step `step`'s checkpoint
+    leaves it (later step folders gone, `latest` at step `step`); the logs stay whole,
+    as a resume must cut them back."""
+    from mlx_grpo.runfolder import RunFolder, step_name, step_of
+
+    shutil.copytree(run, copy)
+    for folder in RunFolder(copy).step_dirs(complete=False):
+        if step_of(folder.name) > step:
+            shutil.rmtree(folder)
+    latest = {"step_dir": step_name(step), "step": step}
+    (copy / "latest").write_text(json.dumps(latest))
+    return copy
+
+
 def f32_tolerance(additions: int) -> float:
     """Relative tolerance between two float32 computations of one quantity that add the
     same terms in different orders (chunks, buckets, rank shares, another BLAS's kernels):

@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cut_back
 
 import mlx_grpo.trainer as trainer_mod
 from mlx_grpo.cli import cmd_train
@@ -345,10 +346,7 @@ def test_a_kill_at_any_write_point_of_a_resume_resumes_again_to_the_same_run(
     steps = ["--train.steps=2", "--output.save_every=1", "--train.sample_every=1"]
     full = _run_cli(_args(tiny_model_dir, tmp_path, "full", *steps))
     assert full.wait(timeout=300) == 0, full.stdout.read().decode()
-    killed = tmp_path / "killed"
-    shutil.copytree(tmp_path / "full", killed)
-    shutil.rmtree(killed / "step-000002")
-    (killed / "latest").write_text(json.dumps({"step_dir": "step-000001", "step": 1}))
+    killed = cut_back(tmp_path / "full", tmp_path / "killed", 1)
     for name in ("adapters.safetensors", "adapter_config.json"):
         shutil.copy(killed / "step-000001" / name, killed / name)
     with open(killed / "samples.jsonl", "a") as f:
@@ -618,8 +616,6 @@ def test_adaptive_kl_weight_is_logged_follows_the_controller_and_resumes(tiny_mo
     """kl/beta starts at grpo.beta, then follows next_beta on the KL of each step that
     updated (held at a target below the policy's KL, it rises); a run resumed from step
     3 carries it on to the same metrics and adapters as the uninterrupted run."""
-    import shutil
-
     from mlx_grpo.config import GRPOConfig
     from mlx_grpo.grpo import next_beta
 
@@ -642,11 +638,7 @@ def test_adaptive_kl_weight_is_logged_follows_the_controller_and_resumes(tiny_mo
     y = mx.load(str(tmp_path / "fixed" / "adapters.safetensors"))
     assert not all(mx.array_equal(x[k], y[k]).item() for k in x)
 
-    b = tmp_path / "b"
-    shutil.copytree(tmp_path / "a", b)
-    for late in ("step-000004", "step-000005", "step-000006"):
-        shutil.rmtree(b / late)
-    (b / "latest").write_text(json.dumps({"step_dir": "step-000003", "step": 3}))
+    b = cut_back(tmp_path / "a", tmp_path / "b", 3)
     assert cmd_train(["--resume", str(b)]) == 0
     _same_run(tmp_path / "a", b)
 
@@ -657,8 +649,6 @@ def test_adaptive_entropy_weight_is_logged_follows_the_controller_and_resumes(
     """entropy/coef starts at grpo.entropy_coef, then moves by rate x (target - the
     entropy of the step that updated); a run resumed from step 3 carries it on to the
     same metrics and adapters as the uninterrupted run."""
-    import shutil
-
     from mlx_grpo.config import GRPOConfig
     from mlx_grpo.grpo import next_entropy_coef
 
@@ -675,10 +665,6 @@ def test_adaptive_entropy_weight_is_logged_follows_the_controller_and_resumes(
     # The tiny model's entropy (under ln 259 = 5.6 nats) stays below the target: it rises.
     assert rows[-1]["entropy/coef"] > rows[0]["entropy/coef"] == 0.01
 
-    b = tmp_path / "b"
-    shutil.copytree(tmp_path / "a", b)
-    for late in ("step-000004", "step-000005", "step-000006"):
-        shutil.rmtree(b / late)
-    (b / "latest").write_text(json.dumps({"step_dir": "step-000003", "step": 3}))
+    b = cut_back(tmp_path / "a", tmp_path / "b", 3)
     assert cmd_train(["--resume", str(b)]) == 0
     _same_run(tmp_path / "a", b)

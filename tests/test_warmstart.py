@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import f32_tolerance, tiny_additions
+from conftest import cut_back, f32_tolerance, tiny_additions
 
 from mlx_grpo.cli import cmd_train, resolve_config
 from mlx_grpo.config import RolloutConfig
@@ -127,17 +127,11 @@ def test_a_run_warms_up_after_the_base_evaluation(tiny_model_dir, tmp_path, monk
     assert calls == [1]
     # Step 0 is checkpointed after the warm start: a run killed before its first
     # step's checkpoint resumes past the warm start, to the same run.
-    import shutil
-
     from mlx_grpo.runfolder import RunFolder
 
     run = RunFolder(tmp_path / "r")
     assert [p.name for p in run.step_dirs()][0] == "step-000000"
-    cut = tmp_path / "cut"
-    shutil.copytree(tmp_path / "r", cut)
-    for late in RunFolder(cut).step_dirs()[1:]:
-        shutil.rmtree(late)
-    (cut / "latest").write_text(json.dumps({"step_dir": "step-000000", "step": 0}))
+    cut = cut_back(run.path, tmp_path / "cut", 0)
     assert cmd_train(["--resume", str(cut)]) == 0
     assert calls == [1]
     timing = ("time/", "rollout/tokens_per_s", "memory/")
