@@ -44,6 +44,15 @@ def _save_safetensors(path: Path, arrays: dict) -> None:
     crash_point()
 
 
+def save_arrays(path: Path, arrays: dict) -> None:
+    """`arrays` in the safetensors file `path`, whole or not at all (written beside it
+    under a temporary name, fsynced, then renamed)."""
+    tmp = path.with_name(f".{path.stem}.tmp.safetensors")
+    _save_safetensors(tmp, arrays)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -103,7 +112,7 @@ def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
     Every mismatch between the checkpoint's adapters and the model is reported at once;
     an unreadable file (truncated, corrupt, not a checkpoint's) in one line naming it.
     """
-    adapters = _load_arrays(step_dir / RunFolder.ADAPTERS)
+    adapters = load_arrays(step_dir / RunFolder.ADAPTERS)
     expected = dict(tree_flatten(model.trainable_parameters()))
     errors = [f"missing {k}" for k in expected if k not in adapters]
     errors += [f"unexpected {k}" for k in adapters if k not in expected]
@@ -116,7 +125,7 @@ def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
         shown = "; ".join(errors[:5]) + (f"; +{len(errors) - 5} more" if len(errors) > 5 else "")
         raise CheckpointError(f"checkpoint: {step_dir} does not fit this model's LoRA: {shown}")
     opt_file = step_dir / RunFolder.OPTIMIZER
-    opt_state = _load_arrays(opt_file)
+    opt_state = load_arrays(opt_file)
     state_file = step_dir / RunFolder.STATE
     try:
         state = json.loads(state_file.read_text())
@@ -134,7 +143,7 @@ def load_checkpoint(step_dir: Path, model, optimizer) -> TrainState:
     return train_state
 
 
-def _load_arrays(path: Path) -> dict:
+def load_arrays(path: Path) -> dict:
     """The arrays of a safetensors file, or CheckpointError in one line."""
     try:
         arrays = mx.load(str(path))

@@ -137,6 +137,14 @@ class GRPOConfig(_Section):
     entropy_coef_max: float = Field(
         0.05, gt=0, description="Upper bound of the adaptive entropy weight."
     )
+    reference: Literal["base", "start"] = Field(
+        "base",
+        description="The policy the KL term holds the model near. base: the model with "
+        "its adapters off. start: the adapters the GRPO steps start from, those after "
+        "the warm start (train.sft_steps) or model.init_adapter, as DeepSeek-R1 takes "
+        "its supervised checkpoint as the reference; they are kept in the run folder "
+        "(reference.safetensors) for a resume. With neither, start is the base.",
+    )
     kl_target: float | None = Field(
         None,
         gt=0,

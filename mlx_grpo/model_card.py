@@ -100,6 +100,12 @@ def _settings_table(run: Run) -> str:
             else f"{c.grpo.beta:g} at the start, adaptive (KL target {c.grpo.kl_target:g})",
         ),
         (
+            "KL reference",
+            "the adapters the GRPO steps started from (after the warm start or the initial adapter)"
+            if c.grpo.reference == "start" and (c.train.sft_steps or c.model.init_adapter)
+            else "the base model (adapters off)",
+        ),
+        (
             "clip epsilon (low / high)",
             f"{c.grpo.epsilon:g} / {c.grpo.epsilon_high or c.grpo.epsilon:g}",
         ),

@@ -165,6 +165,20 @@ def trainable_count(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
+def adapters_set(model: nn.Module, adapters: dict[str, mx.array]):
+    """Inside this block the trainable weights are `adapters` (flat names, as
+    `tree_flatten(model.trainable_parameters())` gives them); the model's own come back
+    after it. MLX arrays are immutable, so a dict taken from the model earlier is a
+    snapshot of its adapters then."""
+    own = tree_flatten(model.trainable_parameters())
+    model.update(tree_unflatten(list(adapters.items())))
+    try:
+        yield model
+    finally:
+        model.update(tree_unflatten(own))
+
+
+@contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """The reference policy: inside this block every LoRALinear is replaced by its base.
 

@@ -58,6 +58,7 @@ class RunFolder:
     EVAL = "eval.jsonl"
     COMPARE = "compare.json"
     WARMSTART = "warmstart.json"
+    REFERENCE = "reference.safetensors"
 
     def __post_init__(self):
         object.__setattr__(self, "path", Path(self.path))
@@ -100,6 +101,10 @@ class RunFolder:
     @property
     def warmstart_file(self) -> Path:
         return self.path / self.WARMSTART
+
+    @property
+    def reference_file(self) -> Path:
+        return self.path / self.REFERENCE
 
     @property
     def logs(self) -> tuple[Path, Path, Path]:

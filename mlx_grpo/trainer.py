@@ -20,8 +20,10 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_grpo.checkpoint import (
     CheckpointError,
     TrainState,
+    load_arrays,
     load_checkpoint,
     publish_adapters,
+    save_arrays,
     save_checkpoint,
 )
 from mlx_grpo.compiled import CompiledLossAndGrad
@@ -44,7 +46,7 @@ from mlx_grpo.grpo import (
 from mlx_grpo.guidance import demonstration_advantages, demonstration_starts, guide_groups
 from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
-from mlx_grpo.models import adapters_disabled
+from mlx_grpo.models import adapters_disabled, adapters_set
 from mlx_grpo.procmem import descendants_bytes
 from mlx_grpo.recipe import Recipe, Scored, Task
 from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
@@ -312,6 +314,9 @@ def train(
                 f"demonstrations (per level {warm['levels']}), NLL {nll[0]:.3f} -> "
                 f"{nll[-1]:.3f}, {warm['seconds']:.0f} s"
             )
+        # (before step 0's checkpoint, so that a resume from it finds the reference)
+        reference = _start_reference(cfg, run, model, resume_from, dist)
+        if cfg.train.sft_steps and resume_from is None:
             # Checkpoint step 0: a kill before step save_every keeps the warm start,
             # and `compare --b <run>@0` measures it alone.
             checkpoint(0, cfg.output.on_full_disk == "continue")
@@ -422,7 +427,7 @@ def train(
                     batch.entropy_coef, batch.beta = entropy_coef, beta
                 it_metrics, delta, sync_s = update_step(
                     model, optimizer, loss_and_grad, batch, cfg, counters, step, say, dist,
-                    len(train_groups) * g,
+                    len(train_groups) * g, reference,
                 )  # fmt: skip
             update_s = time.perf_counter() - tic
             if it_metrics and "entropy" in it_metrics[-1]:  # (not from demonstrations alone)
@@ -513,6 +518,32 @@ def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum
     return st.step, Counters(**st.counters)
 
 
+def _start_reference(cfg: RunConfig, run: RunFolder, model, resume_from, dist: Dist):
+    """The adapters the KL term holds the policy near under `grpo.reference=start`:
+    the model's as the GRPO steps begin, kept in the run folder, or read back from it
+    on a resume. None: the base (the adapters switched off), which is also where a run
+    without a warm start or an initial adapter starts."""
+    grpo = cfg.grpo
+    if grpo.reference != "start" or grpo.beta == 0:
+        return None
+    if not (cfg.train.sft_steps or cfg.model.init_adapter):
+        return None
+    if resume_from is None:
+        reference = _adapters(model)
+        dist.run_on_main(lambda: save_arrays(run.reference_file, reference))
+        return reference
+
+    def check():
+        if not run.reference_file.exists():
+            raise TrainingError(
+                f"grpo.reference=start: {run.reference_file} not found (the run was "
+                "started with grpo.reference=base; resume it with that)"
+            )
+
+    dist.run_on_main(check)  # (raises on every rank)
+    return dist.broadcast_arrays(load_arrays(run.reference_file) if dist.is_main else None)
+
+
 def _groups_to_train(zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool) -> list:
     """Indices of the groups the update uses: those with reward variance first (groups
     whose rewards are all equal carry no policy gradient, so they are left out of the
@@ -568,11 +599,13 @@ def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> di
     }
 
 
-def reference_pass(model, batch: LossInputs, grpo: GRPOConfig) -> None:
+def reference_pass(
+    model, batch: LossInputs, grpo: GRPOConfig, reference: dict[str, mx.array] | None = None
+) -> None:
     """Fill in the log-probs the loss compares against: the reference policy's (the
-    adapters switched off) when the KL term is on, and the sampling policy's when
-    several updates reuse one rollout. Both are constants of the update; they are
-    computed micro-batch by micro-batch (`grpo.micro_batch_tokens`)."""
+    adapters switched off, or set to `reference`) when the KL term is on, and the
+    sampling policy's when several updates reuse one rollout. Both are constants of the
+    update; they are computed micro-batch by micro-batch (`grpo.micro_batch_tokens`)."""
 
     def logprobs() -> mx.array:
         parts = []
@@ -585,7 +618,8 @@ def reference_pass(model, batch: LossInputs, grpo: GRPOConfig) -> None:
         return mx.stop_gradient(parts[0] if len(parts) == 1 else mx.concatenate(parts))
 
     if grpo.beta > 0:
-        with adapters_disabled(model):
+        off = adapters_disabled(model) if reference is None else adapters_set(model, reference)
+        with off:
             batch.ref_logprobs = logprobs()
     if grpo.num_iterations > 1:
         batch.old_logprobs = logprobs()
@@ -650,6 +684,7 @@ def update_step(
     say,
     dist: Dist,
     total_rows: int,
+    reference: dict[str, mx.array] | None = None,
 ):
     """One update of the adapters on a rollout's batch: the reference pass, then
     `grpo.num_iterations` times the clipped policy gradient and an AdamW step (skipped,
@@ -659,7 +694,7 @@ def update_step(
     `batch` is this rank's share (None when all its groups were left out: it still
     joins every exchange, with zero gradients)."""
     if batch is not None:
-        reference_pass(model, batch, cfg.grpo)
+        reference_pass(model, batch, cfg.grpo, reference)
     if dist.size > 1:
         # Every rank divides by the whole batch's counts (see grpo.aggregate).
         tokens = dist.all_sum(batch.mask.sum() if batch is not None else mx.array(0.0)).item()

@@ -393,16 +393,19 @@ def test_card_has_recipe_steps_settings_and_the_compare_table(tiny_model_dir, tm
     assert (
         "| supervised warm start | none |" in card and "| KL coefficient beta (k3) | 0.04 |" in card
     )
+    assert "| KL reference | the base model (adapters off) |" in card
     # A run with a warm start and an adaptive beta says so.
     cfg_file = tmp_path / "run" / "config.json"
     cfg = json.loads(cfg_file.read_text())
     cfg["train"]["sft_steps"], cfg["grpo"]["kl_target"] = 8, 0.1
+    cfg["grpo"]["reference"] = "start"
     cfg_file.write_text(json.dumps(cfg))
     card = model_card("peft", str(tiny_model_dir), False, read_run(tmp_path / "run"))
     assert (
         "| supervised warm start | 8 steps of 8 of the recipe's demonstrations, lr 0.0001 |" in card
     )
     assert "| KL coefficient beta (k3) | 0.04 at the start, adaptive (KL target 0.1) |" in card
+    assert "| KL reference | the adapters the GRPO steps started from (after the warm start" in card
 
 
 def test_a_step_folder_exports_into_its_run_folder(tiny_model_dir, tmp_path):

@@ -176,3 +176,41 @@ def test_each_rank_needs_a_demonstration_a_step():
         check_ranks(TrainConfig(sft_steps=3, sft_batch_size=1), two)
     check_ranks(TrainConfig(sft_steps=3, sft_batch_size=2), two)
     check_ranks(TrainConfig(sft_steps=0, sft_batch_size=1), two)
+
+
+def test_the_warm_start_as_the_kl_reference(tiny_model_dir, tmp_path):
+    """grpo.reference=start: the KL term's reference is the warm-started adapters, so
+    the first step's KL (policy = reference) is zero to float32 rounding while the
+    base's is not; the reference is kept beside the step-0 checkpoint, and a resumed
+    run reads it back and continues as the uninterrupted run does."""
+    from mlx_grpo.runfolder import RunFolder
+
+    def run(name: str, *extra: str) -> list[dict]:
+        args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", "--train.sft_steps=2"]
+        args += [f"--output.dir={tmp_path}", f"--output.run={name}", "--grpo.beta=0.1"]
+        args += ["--grpo.skip_zero_variance_groups=false"]  # (the toy's groups often agree)
+        assert cmd_train(args + list(extra)) == 0
+        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    base, start = run("base"), run("start", "--grpo.reference=start")
+    # k3 of log-ratios at float32 rounding (~1e-6) is ~1e-12; after a warm start at
+    # lr 1e-2 the base is far off.
+    assert start[0]["kl"] < 1e-9 < 1e-3 < base[0]["kl"]
+    folder = RunFolder(tmp_path / "start")
+    ref = mx.load(str(folder.reference_file))
+    step0 = mx.load(str(folder.step_dir(0) / RunFolder.ADAPTERS))
+    assert ref.keys() == step0.keys() and all(mx.array_equal(ref[k], step0[k]).item() for k in ref)
+    assert not (tmp_path / "base" / RunFolder.REFERENCE).exists()
+
+    cut = cut_back(folder.path, tmp_path / "cut", 0)
+    assert cmd_train(["--resume", str(cut)]) == 0
+    timing = ("time/", "rollout/tokens_per_s", "memory/")
+    again = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in again] == [
+        {k: v for k, v in r.items() if not k.startswith(timing)} for r in start
+    ]
+    (cut / RunFolder.REFERENCE).unlink()
+    cut2 = cut_back(folder.path, tmp_path / "cut2", 0)
+    (cut2 / RunFolder.REFERENCE).unlink()
+    with pytest.raises(Exception, match=r"grpo.reference=start: .*reference.safetensors not found"):
+        cmd_train(["--resume", str(cut2)])
