@@ -487,6 +487,14 @@ class RunConfig(_Section):
     recipe: RecipeConfig = Field(default_factory=RecipeConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @property
+    def reference_is_start(self) -> bool:
+        """Whether the KL term holds the policy near the adapters its GRPO steps start
+        from (grpo.reference=start, a KL term, and a warm start or an initial adapter to
+        start from); otherwise its reference is the base, with the adapters off."""
+        has_start = bool(self.train.sft_steps or self.model.init_adapter)
+        return self.grpo.reference == "start" and self.grpo.beta > 0 and has_start
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:

@@ -102,7 +102,7 @@ def _settings_table(run: Run) -> str:
         (
             "KL reference",
             "the adapters the GRPO steps started from (after the warm start or the initial adapter)"
-            if c.grpo.reference == "start" and (c.train.sft_steps or c.model.init_adapter)
+            if c.reference_is_start
             else "the base model (adapters off)",
         ),
         (

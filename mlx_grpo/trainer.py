@@ -523,10 +523,7 @@ def _start_reference(cfg: RunConfig, run: RunFolder, model, resume_from, dist: D
     the model's as the GRPO steps begin, kept in the run folder, or read back from it
     on a resume. None: the base (the adapters switched off), which is also where a run
     without a warm start or an initial adapter starts."""
-    grpo = cfg.grpo
-    if grpo.reference != "start" or grpo.beta == 0:
-        return None
-    if not (cfg.train.sft_steps or cfg.model.init_adapter):
+    if not cfg.reference_is_start:
         return None
     if resume_from is None:
         reference = _adapters(model)

@@ -19,7 +19,7 @@ from mlx_grpo.config import RolloutConfig
 from mlx_grpo.grpo import micro_batches
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.rollout import Rollout
-from mlx_grpo.trainer import build_loss_inputs
+from mlx_grpo.trainer import TrainingError, build_loss_inputs
 from mlx_grpo.warmstart import by_level, demonstrations, sft_loss, warm_start
 
 TOY_ENV = Path(__file__).parent / "data" / "toy_env"
@@ -209,8 +209,9 @@ def test_the_warm_start_as_the_kl_reference(tiny_model_dir, tmp_path):
     assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in again] == [
         {k: v for k, v in r.items() if not k.startswith(timing)} for r in start
     ]
-    (cut / RunFolder.REFERENCE).unlink()
     cut2 = cut_back(folder.path, tmp_path / "cut2", 0)
     (cut2 / RunFolder.REFERENCE).unlink()
-    with pytest.raises(Exception, match=r"grpo.reference=start: .*reference.safetensors not found"):
+    with pytest.raises(
+        TrainingError, match=r"grpo.reference=start: .*reference.safetensors not found"
+    ):
         cmd_train(["--resume", str(cut2)])
