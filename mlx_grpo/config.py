@@ -85,6 +85,11 @@ class RolloutConfig(_Section):
         ge=16,
         description="Multi-turn recipes: an episode ends when its context is this long.",
     )
+    stop_at_newline: bool = Field(
+        False,
+        description="A reply ends at its first line break (one-line actions): decoding "
+        "stops after the token that holds it and the reply's text is cut there.",
+    )
     temperature: float = Field(0.8, gt=0, description="Sampling temperature (> 0 for RL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")

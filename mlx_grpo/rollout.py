@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,7 +38,9 @@ class Completion:
     prompt_index: int
     tokens: list[int]  # sampled ids, stop token included when finish_reason == "stop"
     text: str  # decoded, without the stop token (episodes: the model's replies)
-    finish_reason: str  # "stop" (EOS) or "length" (hit max_new_tokens / the turn limit)
+    # "stop" (EOS, or the line break of `stop_at_newline`) or "length" (hit
+    # max_new_tokens / the turn limit)
+    finish_reason: str
     # Episodes: 1 where `tokens` holds a model token, 0 for the environment's tokens.
     loss_mask: list[int] | None = None
     episode: Episode | None = None
@@ -288,6 +290,32 @@ def prefill_prompts(model: nn.Module, prompts: list[list[int]]) -> list[list]:
     return caches
 
 
+@lru_cache(maxsize=4)
+def newline_ids(tokenizer) -> frozenset[int]:
+    """The vocabulary's ids whose text holds a line break (special tokens aside)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    return frozenset(
+        i
+        for i in range(len(tokenizer.get_vocab()))
+        if i not in special and "\n" in tokenizer.decode([i])
+    )
+
+
+def stop_ids(tokenizer, cfg: RolloutConfig) -> set[int]:
+    """The ids after which decoding stops: EOS, and line breaks under `stop_at_newline`."""
+    ids = set(tokenizer.eos_token_ids)
+    return ids | newline_ids(tokenizer) if cfg.stop_at_newline else ids
+
+
+def reply_text(tokenizer, toks: list[int], reason: str, cfg: RolloutConfig) -> str:
+    """A reply's text: without its EOS, and up to its first line break under
+    `stop_at_newline` (the stop token may hold text before the break: `"]\\n"`)."""
+    if reason == "stop" and toks and toks[-1] in tokenizer.eos_token_ids:
+        toks = toks[:-1]
+    text = tokenizer.decode(toks)
+    return text.split("\n", 1)[0] if cfg.stop_at_newline else text
+
+
 def _decode(
     model: nn.Module,
     tokenizer,
@@ -308,12 +336,11 @@ def _decode(
         decoder = getattr(model, "_compiled_decoder", None)
         if decoder is None:
             decoder = model._compiled_decoder = CompiledDecoder(model)
-        stop = set(tokenizer.eos_token_ids)
-        return decoder(tails, caches, cfg.max_new_tokens, stop, rows)
+        return decoder(tails, caches, cfg.max_new_tokens, stop_ids(tokenizer, cfg), rows)
     gen = BatchGenerator(
         model,
         max_tokens=cfg.max_new_tokens,
-        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+        stop_tokens=[[t] for t in sorted(stop_ids(tokenizer, cfg))],
         sampler=None if samplers else sampler,
         completion_batch_size=n,
         prefill_batch_size=n,
@@ -366,8 +393,9 @@ def generate_groups(
     )
     completions = []
     for owner, (toks, reason, _) in zip(owners, sampled):
-        body = toks[:-1] if reason == "stop" else toks
-        completions.append(Completion(owner, toks, tokenizer.decode(body), reason))
+        completions.append(
+            Completion(owner, toks, reply_text(tokenizer, toks, reason, cfg), reason)
+        )
     return Rollout(
         prompts=prompts,
         completions=completions,
@@ -477,7 +505,7 @@ def play_episodes(
             still = []
             for i, (toks, reason, cache) in zip(live, sampled):
                 state[i] = None  # free finished episodes' caches as we go
-                text = tokenizer.decode(toks[:-1] if reason == "stop" else toks)
+                text = reply_text(tokenizer, toks, reason, cfg)
                 extra, reasons[i], seconds = take_turn(
                     episodes[i], text, toks, reason, played[i] + turn, len(prompts[owners[i]]),
                     history[i], mask[i], template, cfg,

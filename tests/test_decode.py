@@ -77,6 +77,31 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, monkeypatch
                 assert np.abs(u - v).max() <= bound * max(np.abs(u).max(), 1.0)
 
 
+def test_both_paths_stop_after_a_line_break_under_stop_at_newline(tiny, monkeypatch):
+    """With `stop_at_newline`, a row ends right after its first line-break id on either
+    path (here a tenth of the vocabulary stands for the line breaks: the tiny model
+    rarely samples one), and the two paths sample the same ids; without it, rows run on
+    past those ids."""
+    from mlx_grpo import rollout
+
+    model, tok = tiny
+    breaks = frozenset(range(3, len(tok.vocab), 10)) - set(tok.eos_token_ids)
+    monkeypatch.setattr(rollout, "newline_ids", lambda tokenizer: breaks)
+    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
+    cfg = RolloutConfig(max_new_tokens=24, temperature=1.5, stop_at_newline=True)
+    prompts = [tok.encode(f"prompt {w} number {i}") for i, w in enumerate("abcdefgh")]
+    want, _, _ = _turns(model, tok, cfg, prompts, [None], False, 7)
+    got, _, _ = _turns(model, tok, cfg, prompts, [None], True, 7)
+    assert got == want
+    for ids, finish in want[0]:
+        assert not breaks & set(ids[:-1])
+        assert (finish == "stop") == (ids[-1] in breaks | set(tok.eos_token_ids))
+    assert {f for _, f in want[0]} == {"stop", "length"}
+    cfg = cfg.model_copy(update={"stop_at_newline": False})
+    free, _, _ = _turns(model, tok, cfg, prompts, [None], False, 7)
+    assert any(breaks & set(ids[:-1]) for ids, _ in free[0])
+
+
 def test_turns_of_varied_lengths_share_a_compiled_shape(tiny):
     """Ten turns of different prompt and tail lengths within one capacity step and one
     batch size compile one graph; a batch of another size compiles one more."""

@@ -146,3 +146,43 @@ def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path):
     png = (tmp_path / "p" / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert cmd_plot([str(tmp_path / "nothing")]) == 2
+
+
+def test_a_reply_ends_at_its_first_line_break_under_stop_at_newline(tiny):
+    """The sampler alternates 'A' and a line break: with `stop_at_newline` every turn
+    stops at its first break (kept in the tokens, the env sees the line before it, the
+    template closes the turn after it), without it the turn runs to the length limit
+    and the env sees every line."""
+    model, tok = tiny
+    newline = tok.encode("A\n")[-1]
+    assert tok.decode([newline]) == "\n"
+    script = [tok.encode("A")[-1], newline]
+    calls = {"n": 0}
+
+    def alternate(logprobs):
+        calls["n"] += 1
+        return mx.full((logprobs.shape[0],), script[calls["n"] % 2], dtype=mx.uint32)
+
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = [t for t in recipe.tasks("train", 6, 0) if t.payload["turns"] == 3][:1]
+    cfg = RolloutConfig(max_new_tokens=6, max_turns=3, stop_at_newline=True)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 1, cfg, sampler=alternate)
+    (c,) = rollout.completions
+    replies = [c.tokens[a:b] for a, b in _runs(c.loss_mask)]
+    assert len(replies) == 3 and c.finish_reason == "stop"
+    for reply, action in zip(replies, c.episode.actions):
+        assert reply[-1] == newline and newline not in reply[:-1]
+        assert action == tok.decode(reply[:-1]) and "\n" not in action
+    conv = recipe.first_messages(tasks[0], recipe.make_env(tasks[0]))
+    for reply, result in zip(replies[:-1], c.episode.results):
+        conv += [
+            {"role": "assistant", "content": _raw(tok, reply)},
+            {"role": "user", "content": result.observation},
+        ]
+    expected = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert _raw(tok, rollout.prompts[0] + c.tokens) == expected + _raw(tok, replies[-1])
+
+    cfg = cfg.model_copy(update={"stop_at_newline": False})
+    (c,) = rollout_tasks(model, tok, recipe, tasks, 1, cfg, sampler=alternate).completions
+    assert len(c.episode.actions) == 3
+    assert all(a.count("\n") == 3 for a in c.episode.actions)
