@@ -349,10 +349,9 @@ def train(
                 model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers, **extra
             )
             scored = recipe.score_rollout(my_tasks, rollout)
-            sample_step = bool(
-                cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start + 1)
-            )
-            share = _share_record(rollout, scored, with_text=sample_step)
+            # The text travels with every record: a step whose entropy or KL leaves its
+            # usual range writes its samples too (`_samples_due`), known after the update.
+            share = _share_record(rollout, scored, with_text=bool(cfg.train.sample_every))
             if cfg.grpo.guidance:  # after the on-policy record: only the update sees it
                 tic = time.perf_counter()
                 mine_partway = frozenset(
@@ -466,7 +465,8 @@ def train(
                 _guards(step, metrics, counters, cfg, say)
             if main:
                 metrics_log.write(metrics)
-                samples = _sample_records(step, tasks, records, g) if sample_step else []
+                due = _samples_due(step, start, metrics, cfg.train.sample_every)
+                samples = _sample_records(step, tasks, records, g) if due else []
                 for record in samples:
                     samples_log.write(record)
                 trackers.log(step, metrics, samples)
@@ -903,6 +903,21 @@ def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg
         say(f"step {step}: the adapters did not move (learning rate {metrics['lr']:.3g})")
 
 
+def _samples_due(step: int, start: int, metrics: dict, every: int) -> bool:
+    """Whether a step writes its samples: every `every` steps, a run's first step, and a
+    step whose entropy or KL is above GUARD_FACTOR x its median (what drifted, to read).
+
+    >>> [_samples_due(s, 0, {}, 10) for s in (1, 2, 10)], _samples_due(5, 4, {}, 10)
+    ([True, False, True], True)
+    >>> _samples_due(7, 0, {"guard/kl_x_median": 2.5}, 10), _samples_due(7, 0, {}, 0)
+    (True, False)
+    """
+    if not every:
+        return False
+    drifted = any(metrics.get(f"guard/{k}_x_median", 0.0) > GUARD_FACTOR for k in GUARDED)
+    return step % every == 0 or step == start + 1 or drifted
+
+
 def _sample_records(
     step: int, tasks: list[Task], records: list[CompletionRecord], group_size: int
 ) -> list[dict]:
@@ -911,6 +926,7 @@ def _sample_records(
         {
             "step": step,
             "task": tasks[i // group_size].id,
+            "level": tasks[i // group_size].level,
             "completion": r.text,
             "finish_reason": r.finish_reason,
             "reward": r.reward,

@@ -612,6 +612,32 @@ def test_guards_warn_when_entropy_stays_above_twice_its_recent_median():
     assert Counters(**json.loads(json.dumps(counters.__dict__))).history == counters.history
 
 
+def test_a_step_whose_entropy_leaves_its_range_writes_its_samples(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """samples.jsonl holds a run's first step and every sample_every-th; with the guards'
+    factor at 0 (every step that updated is "above" its median once one is known), the
+    steps that updated after the first write theirs too, each record with its level."""
+    import mlx_grpo.trainer as trainer
+
+    opts = ["--train.steps=4", "--train.sample_every=100"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "calm", *opts)) == 0
+    monkeypatch.setattr(trainer, "GUARD_FACTOR", 0.0)
+    monkeypatch.setattr(trainer, "GUARD_WARMUP", {"entropy": 1, "kl": 1})
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "drift", *opts)) == 0
+
+    def steps(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "samples.jsonl").read_text().splitlines()]
+        # The toy recipe's task i is at level 1 + i % 2 (its id ends with i).
+        assert all(r["level"] == 1 + int(r["task"].split("-")[-1]) % 2 for r in rows)
+        return sorted({r["step"] for r in rows})
+
+    updated = [r["step"] for r in _metrics(tmp_path / "drift") if r["groups/trained"]]
+    guarded = [s for s in updated if s > updated[0]]
+    assert guarded and steps("calm") == [1]
+    assert steps("drift") == sorted({1, *guarded})
+
+
 def test_adaptive_kl_weight_is_logged_follows_the_controller_and_resumes(tiny_model_dir, tmp_path):
     """kl/beta starts at grpo.beta, then follows next_beta on the KL of each step that
     updated (held at a target below the policy's KL, it rises); a run resumed from step
