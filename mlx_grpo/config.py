@@ -204,6 +204,15 @@ class GRPOConfig(_Section):
         description="Leave completions that hit max_new_tokens out of the loss (DAPO): "
         "their reward judges an unfinished answer.",
     )
+    signal_component: str | None = Field(
+        None,
+        description="A reward component (a key of recipe.weights, e.g. 'success') that a "
+        "group must score on to train: a group none of whose samples scored above 0 on it, "
+        "whose rewards differ only in partial credit (progress, format), is left out of the "
+        "update as a group without variance is, and the curriculum hears it as one (its "
+        "mean reward, which opens levels, is kept). groups/unscored_frac counts them. "
+        "Guided groups (`guidance`) hold a demonstration and always train.",
+    )
     skip_zero_variance_groups: bool = Field(
         True,
         description="Leave groups whose rewards are all equal out of the update: their "
@@ -504,6 +513,12 @@ class RunConfig(_Section):
     def _consistent(self) -> RunConfig:
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
             raise ValueError("grpo.epsilon_high must be >= grpo.epsilon (it widens the upper clip)")
+        comp = self.grpo.signal_component
+        if comp is not None and self.recipe.weights and comp not in self.recipe.weights:
+            raise ValueError(
+                f"grpo.signal_component: '{comp}' is not one of the recipe's reward "
+                f"components ({', '.join(self.recipe.weights)})"
+            )
         if self.grpo.kl_target is not None and self.grpo.beta == 0:
             raise ValueError(
                 "grpo.kl_target needs grpo.beta > 0: beta is where the adaptive weight starts"

@@ -402,11 +402,17 @@ def train(
                     if zero_var[r // g] and r not in demos
                 )
             no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
+            # Groups of failures that differ only in partial credit (grpo.signal_component).
+            unscored = _unscored_groups(records, g, cfg.grpo.signal_component) & ~zero_var
+            unscored[[row // g for row, _ in guided]] = False
+            no_signal |= unscored
             # The curriculum hears the groups that started at the start.
             partway = [i for i in range(n_tasks) if starts[i]]
             whole = [i for i in range(n_tasks) if not starts[i]]
             by_group = rewards.reshape(n_tasks, g)
-            curriculum.update([tasks[i] for i in whole], by_group[whole].tolist())
+            heard = by_group.copy()
+            heard[unscored] = by_group[unscored].mean(axis=1, keepdims=True)
+            curriculum.update([tasks[i] for i in whole], heard[whole].tolist())
             train_groups = _groups_to_train(no_signal, b, cfg.grpo.skip_zero_variance_groups)
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
@@ -443,6 +449,8 @@ def train(
                 counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
                 ranks=dist.size, sync_s=gather_s + sync_s,
             )  # fmt: skip
+            if cfg.grpo.signal_component:
+                metrics["groups/unscored_frac"] = float(unscored.mean())
             if cfg.grpo.demo_starts:
                 metrics["starts/groups"] = len(partway)
                 if partway:
@@ -460,7 +468,7 @@ def train(
                 metrics["compile/decode_traces"] = decoder.traces
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
-            _warnings(step, metrics, rewards, records, zero_var, counters, cfg, say)
+            _warnings(step, metrics, rewards, records, zero_var | unscored, counters, cfg, say)
             if not no_signal.all():
                 _guards(step, metrics, counters, cfg, say)
             if main:
@@ -557,6 +565,22 @@ def _groups_to_train(zero_var: np.ndarray, batch_size: int, skip_zero_variance: 
     if not skip_zero_variance:
         keep += [i for i in range(n) if zero_var[i]]
     return sorted(keep[:batch_size])
+
+
+def _unscored_groups(records: list[CompletionRecord], group_size: int, component) -> np.ndarray:
+    """Per group: True when `component` is set and none of the group's samples scored
+    above 0 on it (a completion whose reward raised has no components: 0).
+
+    >>> rec = lambda s: CompletionRecord(1.0, {"success": s}, None, None, False, 1, None)
+    >>> _unscored_groups([rec(0.0), rec(0.0), rec(0.0), rec(1.0)], 2, "success")
+    array([ True, False])
+    >>> _unscored_groups([rec(0.0), rec(0.0)], 2, None)
+    array([False])
+    """
+    scores = np.array([r.components.get(component, 0.0) for r in records]) if component else None
+    if scores is None:
+        return np.zeros(len(records) // group_size, dtype=bool)
+    return ~(scores.reshape(-1, group_size) > 0).any(axis=1)
 
 
 def _silent(_: str) -> None:
@@ -887,9 +911,16 @@ def _warnings(step, metrics, rewards, records, zero_var, counters: Counters, cfg
             truncated = np.array([r.truncated for r in records])
             best = sum(w for w in cfg.recipe.weights.values() if w > 0) or 1.0
             cause = _zero_signal_cause(rewards, truncated, best)
+            comp = cfg.grpo.signal_component
+            groups = rewards.reshape(len(zero_var), -1)
+            if comp and np.ptp(groups, axis=1).max() > 0:  # the variance was partial credit
+                cause = f"no sample scored on {comp}: the open levels are beyond the policy"
+            equal = "every group's rewards were equal" + (
+                f" or none of its samples scored on {comp}" if comp else ""
+            )
             say(
                 f"step {step}: no learning signal for {counters.zero_signal_streak} steps "
-                f"(every group's rewards were equal): {cause}"
+                f"({equal}): {cause}"
             )
         return  # no update was made
     counters.zero_signal_streak = 0

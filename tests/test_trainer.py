@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,6 +227,51 @@ def test_zero_variance_groups_are_skipped_unless_asked(tiny_model_dir, tmp_path)
     rows = _metrics(tmp_path / "keep")
     assert [r["groups/trained"] for r in rows] == [2, 2]
     assert all(r["groups/zero_variance_frac"] == 1.0 and "loss/total" in r for r in rows)
+
+
+def test_groups_that_never_scored_on_the_signal_component_are_left_out(tiny_model_dir, tmp_path):
+    """grpo.signal_component=blank: a group trains only when it has reward variance and
+    one of its samples scored on `blank`; the others count in groups/unscored_frac, and
+    the curriculum hears them as groups without variance (learnability score 0)."""
+    toy = tmp_path / "toy"
+    shutil.copytree(TOY, toy)
+    with open(toy / "tasks.py", "a") as f:  # a component that fires on some samples only
+        f.write(
+            "\n_reward = reward\n\n\ndef reward(task, completion):\n"
+            "    return {**_reward(task, completion), 'blank': float(not completion.strip())}\n"
+        )
+    opts = ["--grpo.signal_component=blank", '--recipe.weights={"blank": 0.0}']
+    args = _args(tiny_model_dir, tmp_path, "gate", *opts, "--train.sample_every=1")
+    args[1] = str(toy)
+    assert cmd_train(args) == 0
+    groups: dict[tuple, list] = {}
+    for line in (tmp_path / "gate" / "samples.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        groups.setdefault((r["step"], r["task"]), []).append(r)
+    varied = {
+        k: max(x["reward"] for x in g) > min(x["reward"] for x in g) for k, g in groups.items()
+    }
+    scored = {k: any(x["components"]["blank"] > 0 for x in g) for k, g in groups.items()}
+    for row in _metrics(tmp_path / "gate"):
+        keys = [k for k in groups if k[0] == row["step"]]
+        assert row["groups/trained"] == sum(varied[k] and scored[k] for k in keys)
+        unscored = sum(varied[k] and not scored[k] for k in keys)
+        assert row["groups/unscored_frac"] == unscored / len(keys)
+        assert ("loss/total" in row) == (row["groups/trained"] > 0)
+    assert any(varied[k] and not scored[k] for k in groups)  # (the gate had work)
+    assert any(varied[k] and scored[k] for k in groups)
+    # A task seen once: its score (reward variance) is 0 unless its group trained; its
+    # mean reward (what opens levels) is its group's, gate or not.
+    state = json.loads((tmp_path / "gate" / "step-000006" / "state.json").read_text())
+    buffer = state["curriculum"]["buffer"]  # task -> [score, step, visits, mean / max]
+    seen = {task: (step, task) for step, task in groups}
+    once = [t for t, e in buffer.items() if e[2] == 1]
+    assert once
+    for t in once:
+        k = seen[t]
+        assert (buffer[t][0] > 0) == (varied[k] and scored[k])
+        mean = np.mean([x["reward"] for x in groups[k]]) / 1.1  # the toy's weights' sum
+        assert abs(buffer[t][3] - mean) < 1e-6
 
 
 def test_no_signal_warning_names_the_likely_cause():
