@@ -173,7 +173,7 @@ class CompiledLossAndGrad:
             mx.array(adv),
             zeros if batch.old_logprobs is None else block(batch.old_logprobs, np.float32),
             zeros if batch.ref_logprobs is None else block(batch.ref_logprobs, np.float32),
-            turn_weights(mx.array(mask)),
+            turn_weights(mx.array(mask), self.cfg.loss_type == "episode"),
             mx.array(guided),
         )
 

@@ -177,13 +177,15 @@ class GRPOConfig(_Section):
         description="Updates per rollout batch. 1 is policy gradient with a group baseline "
         "(the ratio is 1); >1 reuses samples and makes the clipping matter.",
     )
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "turn"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "turn", "episode"] = Field(
         "dapo",
         description="'grpo': mean over sequences of each sequence's token mean (favours "
         "short correct and long wrong answers); 'dr_grpo': token sum / (N * "
         "max_new_tokens), length-unbiased; 'dapo': token mean over the whole batch; "
         "'turn': each reply of a multi-turn episode weighs one unit (its token mean), "
-        "summed over the episode's turns, mean over episodes ('grpo' when single-turn).",
+        "summed over the episode's turns, mean over episodes ('grpo' when single-turn); "
+        "'episode': as 'turn', but the mean over the episode's turns, so each episode "
+        "weighs one unit however many turns it took.",
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token",

@@ -24,6 +24,9 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
   unit of weight, its token mean, and sums them over the episode's turns, then takes
   the mean over episodes: a long reply weighs no more than a short one, a decision made
   at each of five turns five times one made once (for single-turn recipes it is "grpo").
+  "episode" divides that sum by the episode's turns: each episode weighs one unit,
+  however many turns it took, so a group's long failures weigh no more than its short
+  successes (their advantages sum to 0 over the group).
 - `skip_zero_variance_groups=True` (default): groups whose rewards are all equal
   (A = 0, only the KL term) are left out of the batch, so they count neither in the
   loss nor in its divisors (N, the token count); the trainer logs their share as
@@ -256,27 +259,32 @@ def aggregate(
         return (values * mask).sum() / (rows * max_new_tokens)
     if loss_type == "dapo":
         return masked_mean(values, mask, total_tokens)
-    if loss_type == "turn":
-        w = turn_weights(mask) if weights is None else weights
+    if loss_type in ("turn", "episode"):
+        w = turn_weights(mask, loss_type == "episode") if weights is None else weights
         per_seq = (values * mask * w).sum(axis=1)
         return per_seq.mean() if total_rows is None else per_seq.sum() / total_rows
-    raise ValueError(f"loss_type must be grpo|dr_grpo|dapo|turn, got {loss_type!r}")
+    raise ValueError(f"loss_type must be grpo|dr_grpo|dapo|turn|episode, got {loss_type!r}")
 
 
-def turn_weights(mask: mx.array) -> mx.array:
+def turn_weights(mask: mx.array, per_episode: bool = False) -> mx.array:
     """[N, C]: 1 / (length of its turn) on each loss token, a turn being a run of
     consecutive loss tokens (one reply of a multi-turn episode; the whole completion
-    of a single-turn one). A constant of the update (computed from the mask).
+    of a single-turn one); `per_episode` divides a row's weights by its number of turns,
+    so that they sum to 1. A constant of the update (computed from the mask).
 
-    >>> (3 * np.array(turn_weights(mx.array([[1.0, 1, 0, 0, 1, 1, 1, 0]])))).round(2).tolist()
+    >>> (6 * np.array(turn_weights(mx.array([[1.0, 1, 0, 0, 1, 1, 1, 0]])))).round(2).tolist()
+    [[3.0, 3.0, 0.0, 0.0, 2.0, 2.0, 2.0, 0.0]]
+    >>> (6 * np.array(turn_weights(mx.array([[1.0, 1, 0, 0, 1, 1, 1, 0]]), True))).tolist()
     [[1.5, 1.5, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]]
     """
     m = np.array(mask) > 0
     edges = np.diff(np.pad(m.astype(np.int8), ((0, 0), (1, 1))), axis=1)
     w = np.zeros(m.shape, np.float32)
-    for row, col in zip(*np.nonzero(edges == 1)):
+    starts = np.nonzero(edges == 1)
+    turns = np.bincount(starts[0], minlength=m.shape[0])
+    for row, col in zip(*starts):
         end = col + int(np.argmax(edges[row, col + 1 :] == -1)) + 1
-        w[row, col:end] = 1.0 / (end - col)
+        w[row, col:end] = 1.0 / (end - col) / (turns[row] if per_episode else 1)
     return mx.array(w)
 
 
@@ -436,7 +444,7 @@ def next_beta(beta: float, kl: float, cfg) -> float:
     >>> from types import SimpleNamespace as C
     >>> cfg = C(kl_target=0.1, kl_rate=0.5)
     >>> round(next_beta(0.04, 0.3, cfg), 6), round(next_beta(0.04, 0.09, cfg), 6)
-    (0.044, 0.0398)
+    (0.044, 0.038)
     """
     if cfg.kl_target is None or not math.isfinite(kl):
         return beta

@@ -64,6 +64,7 @@ def _update(model, grad_fn, batch, max_positions=None):
         ("turn", "token", 0.04, 1, 0.0, 0.5),
         ("grpo", "sequence", 0.04, 2, 0.0, None),
         ("turn", "sequence", 0.0, 1, 0.0, None),
+        ("episode", "token", 0.04, 1, 0.0, None),
     ],
 )
 def test_compiled_update_equals_the_eager_update(

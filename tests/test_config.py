@@ -42,7 +42,7 @@ def test_layers_apply_in_order(tmp_path):
     [
         (
             ["--grpo.loss_type=ppo"],
-            "grpo.loss_type: Input should be 'grpo', 'dr_grpo', 'dapo' or 'turn'",
+            "grpo.loss_type: Input should be 'grpo', 'dr_grpo', 'dapo', 'turn' or 'episode'",
         ),
         (["--grpo.num_generations=1"], "grpo.num_generations"),
         (["--train.steps=many"], "train.steps"),

@@ -74,16 +74,19 @@ def np_loss_weights(mask, loss_type, max_new):
         return mask / mask.sum(1, keepdims=True) / n
     if loss_type == "dr_grpo":
         return mask / (n * max_new)
-    if loss_type == "turn":  # each run of loss tokens (a reply) weighs 1, split evenly
+    if loss_type in ("turn", "episode"):  # each run of loss tokens (a reply) weighs 1
         w = np.zeros_like(mask)
         for i in range(n):
-            j = 0
+            j, runs = 0, []
             while j < mask.shape[1]:
                 k = j
                 while k < mask.shape[1] and mask[i, k] > 0:
                     k += 1
-                w[i, j:k] = 1.0 / max(k - j, 1) / n
+                if k > j:
+                    runs.append((j, k))
                 j = k + 1
+            for j, k in runs:  # split evenly; "episode": the row's replies share one unit
+                w[i, j:k] = 1.0 / (k - j) / n / (len(runs) if loss_type == "episode" else 1)
         return w
     return mask / mask.sum()
 
@@ -117,7 +120,7 @@ def np_loss_and_grad(
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn", "episode"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_loss_and_gradient_match_numpy(loss_type, beta, level):
     rng = np.random.default_rng(1)
@@ -373,7 +376,7 @@ def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn", "episode"])
 def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type, level):
     """Data-parallel runs: two shares of a batch (uneven token counts), each divided
     by the whole batch's counts, add up to the whole batch's loss, metrics and
@@ -419,7 +422,7 @@ def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type, 
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn", "episode"])
 def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss_type, level):
     """The update split into micro-batches (whole groups together, a long group cut
     into runs of rows) sums to the one-piece update: loss, metrics and gradient."""
