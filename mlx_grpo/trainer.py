@@ -388,6 +388,8 @@ def train(
             advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
             demos = [row for sh in shares for row in sh.get("demos", ())]
             zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
+            # Groups of failures that differ only in partial credit (grpo.signal_component).
+            unscored = _unscored_groups(records, g, cfg.grpo.signal_component) & ~zero_var
             silent = frozenset()
             if demos and cfg.grpo.guidance_advantage == "demonstration":
                 own = group_advantages(mx.array(rewards), g, cfg.grpo.scale_rewards)
@@ -399,13 +401,11 @@ def train(
                 silent = frozenset(
                     r - mine.start * g
                     for r in range(mine.start * g, mine.stop * g)
-                    if zero_var[r // g] and r not in demos
+                    if (zero_var | unscored)[r // g] and r not in demos
                 )
             no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
-            # Groups of failures that differ only in partial credit (grpo.signal_component).
-            unscored = _unscored_groups(records, g, cfg.grpo.signal_component) & ~zero_var
-            unscored[[row // g for row, _ in guided]] = False
-            no_signal |= unscored
+            # A guided group trains: its demonstration is a success.
+            no_signal |= unscored & ~np.isin(np.arange(n_tasks), [row // g for row, _ in guided])
             # The curriculum hears the groups that started at the start.
             partway = [i for i in range(n_tasks) if starts[i]]
             whole = [i for i in range(n_tasks) if not starts[i]]
@@ -413,7 +413,9 @@ def train(
             heard = by_group.copy()
             heard[unscored] = by_group[unscored].mean(axis=1, keepdims=True)
             curriculum.update([tasks[i] for i in whole], heard[whole].tolist())
-            train_groups = _groups_to_train(no_signal, b, cfg.grpo.skip_zero_variance_groups)
+            train_groups = _groups_to_train(
+                no_signal, b, cfg.grpo.skip_zero_variance_groups, no_signal & unscored
+            )
             tic = time.perf_counter()
             it_metrics, delta, sync_s = [], 0.0, 0.0
             entropy_coef, beta = counters.entropy_coef, counters.beta
@@ -468,7 +470,8 @@ def train(
                 metrics["compile/decode_traces"] = decoder.traces
             if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
-            _warnings(step, metrics, rewards, records, zero_var | unscored, counters, cfg, say)
+            idle = zero_var | (unscored & no_signal)
+            _warnings(step, metrics, rewards, records, idle, counters, cfg, say)
             if not no_signal.all():
                 _guards(step, metrics, counters, cfg, say)
             if main:
@@ -549,21 +552,26 @@ def _start_reference(cfg: RunConfig, run: RunFolder, model, resume_from, dist: D
     return dist.broadcast_arrays(load_arrays(run.reference_file) if dist.is_main else None)
 
 
-def _groups_to_train(zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool) -> list:
+def _groups_to_train(
+    zero_var: np.ndarray, batch_size: int, skip_zero_variance: bool, unscored=None
+) -> list:
     """Indices of the groups the update uses: those with reward variance first (groups
     whose rewards are all equal carry no policy gradient, so they are left out of the
     loss and its divisors unless `skip_zero_variance` is off), at most `batch_size`
-    (`filter` rolls out more groups than it trains).
+    (`filter` rolls out more groups than it trains). `unscored` groups (variance from
+    partial credit alone, `grpo.signal_component`) never train.
 
     >>> _groups_to_train(np.array([True, False, False, True]), 1, True)
     [1]
     >>> _groups_to_train(np.array([True, False, False, True]), 3, False)
     [0, 1, 2]
+    >>> _groups_to_train(np.array([True, False, True, True]), 4, False, np.array([1, 0, 0, 0]))
+    [1, 2, 3]
     """
     n = len(zero_var)
     keep = [i for i in range(n) if not zero_var[i]]
     if not skip_zero_variance:
-        keep += [i for i in range(n) if zero_var[i]]
+        keep += [i for i in range(n) if zero_var[i] and not (unscored is not None and unscored[i])]
     return sorted(keep[:batch_size])
 
 
@@ -577,9 +585,15 @@ def _unscored_groups(records: list[CompletionRecord], group_size: int, component
     >>> _unscored_groups([rec(0.0), rec(0.0)], 2, None)
     array([False])
     """
-    scores = np.array([r.components.get(component, 0.0) for r in records]) if component else None
-    if scores is None:
+    if not component:
         return np.zeros(len(records) // group_size, dtype=bool)
+    names = {k for r in records for k in r.components}
+    if names and component not in names:
+        raise TrainingError(
+            f"grpo.signal_component: the recipe's rewards have no component '{component}' "
+            f"(they have: {', '.join(sorted(names))})"
+        )
+    scores = np.array([r.components.get(component, 0.0) for r in records])
     return ~(scores.reshape(-1, group_size) > 0).any(axis=1)
 
 

@@ -229,39 +229,58 @@ def test_zero_variance_groups_are_skipped_unless_asked(tiny_model_dir, tmp_path)
     assert all(r["groups/zero_variance_frac"] == 1.0 and "loss/total" in r for r in rows)
 
 
-def test_groups_that_never_scored_on_the_signal_component_are_left_out(tiny_model_dir, tmp_path):
-    """grpo.signal_component=blank: a group trains only when it has reward variance and
-    one of its samples scored on `blank`; the others count in groups/unscored_frac, and
-    the curriculum hears them as groups without variance (learnability score 0)."""
+def _blank_toy(tmp_path: Path) -> Path:
+    """The toy recipe with a `blank` component that fires on some samples only."""
     toy = tmp_path / "toy"
     shutil.copytree(TOY, toy)
-    with open(toy / "tasks.py", "a") as f:  # a component that fires on some samples only
+    with open(toy / "tasks.py", "a") as f:
         f.write(
             "\n_reward = reward\n\n\ndef reward(task, completion):\n"
             "    return {**_reward(task, completion), 'blank': float(not completion.strip())}\n"
         )
-    opts = ["--grpo.signal_component=blank", '--recipe.weights={"blank": 0.0}']
-    args = _args(tiny_model_dir, tmp_path, "gate", *opts, "--train.sample_every=1")
-    args[1] = str(toy)
-    assert cmd_train(args) == 0
+    return toy
+
+
+def _groups(run_dir: Path) -> tuple[dict, dict, dict]:
+    """samples.jsonl by (step, task): the records, whether rewards varied, whether a
+    sample scored on `blank`."""
     groups: dict[tuple, list] = {}
-    for line in (tmp_path / "gate" / "samples.jsonl").read_text().splitlines():
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
         r = json.loads(line)
         groups.setdefault((r["step"], r["task"]), []).append(r)
     varied = {
         k: max(x["reward"] for x in g) > min(x["reward"] for x in g) for k, g in groups.items()
     }
     scored = {k: any(x["components"]["blank"] > 0 for x in g) for k, g in groups.items()}
-    for row in _metrics(tmp_path / "gate"):
-        keys = [k for k in groups if k[0] == row["step"]]
-        assert row["groups/trained"] == sum(varied[k] and scored[k] for k in keys)
-        unscored = sum(varied[k] and not scored[k] for k in keys)
-        assert row["groups/unscored_frac"] == unscored / len(keys)
-        assert ("loss/total" in row) == (row["groups/trained"] > 0)
-    assert any(varied[k] and not scored[k] for k in groups)  # (the gate had work)
-    assert any(varied[k] and scored[k] for k in groups)
+    return groups, varied, scored
+
+
+def test_groups_that_never_scored_on_the_signal_component_are_left_out(tiny_model_dir, tmp_path):
+    """grpo.signal_component=blank: a group trains only when it has reward variance and
+    one of its samples scored on `blank`; the others count in groups/unscored_frac, and
+    the curriculum hears them as groups without variance (learnability score 0). With
+    skip_zero_variance_groups=false the groups without variance train too, and those
+    without `blank` still do not."""
+    opts = ["--grpo.signal_component=blank", '--recipe.weights={"blank": 0.0}']
+    for run, extra in (("gate", []), ("keep", ["--grpo.skip_zero_variance_groups=false"])):
+        args = _args(tiny_model_dir, tmp_path, run, *opts, *extra, "--train.sample_every=1")
+        args[1] = str(_blank_toy(tmp_path / run))
+        assert cmd_train(args) == 0
+        groups, varied, scored = _groups(tmp_path / run)
+        for row in _metrics(tmp_path / run):
+            keys = [k for k in groups if k[0] == row["step"]]
+            trains = [
+                scored[k] or not varied[k] if extra else varied[k] and scored[k] for k in keys
+            ]
+            assert row["groups/trained"] == sum(trains)
+            unscored = sum(varied[k] and not scored[k] for k in keys)
+            assert row["groups/unscored_frac"] == unscored / len(keys)
+            assert ("loss/total" in row) == (row["groups/trained"] > 0)
+        assert any(varied[k] and not scored[k] for k in groups)  # (the gate had work)
+        assert any(varied[k] and scored[k] for k in groups)
     # A task seen once: its score (reward variance) is 0 unless its group trained; its
     # mean reward (what opens levels) is its group's, gate or not.
+    groups, varied, scored = _groups(tmp_path / "gate")
     state = json.loads((tmp_path / "gate" / "step-000006" / "state.json").read_text())
     buffer = state["curriculum"]["buffer"]  # task -> [score, step, visits, mean / max]
     seen = {task: (step, task) for step, task in groups}
@@ -272,6 +291,17 @@ def test_groups_that_never_scored_on_the_signal_component_are_left_out(tiny_mode
         assert (buffer[t][0] > 0) == (varied[k] and scored[k])
         mean = np.mean([x["reward"] for x in groups[k]]) / 1.1  # the toy's weights' sum
         assert abs(buffer[t][3] - mean) < 1e-6
+
+
+def test_a_signal_component_the_rewards_lack_is_one_line():
+    """(A recipe with weights has its components checked when the config loads; one
+    without, whose reward is its one component, when the first rewards come in.)"""
+    from mlx_grpo.trainer import CompletionRecord, _unscored_groups
+
+    records = [CompletionRecord(1.0, {"reward": 1.0}, None, None, False, 1, None)] * 2
+    with pytest.raises(TrainingError, match=r"^grpo.signal_component: .* no component 'succ"):
+        _unscored_groups(records, 2, "success")
+    assert _unscored_groups(records, 2, "reward").tolist() == [False]
 
 
 def test_no_signal_warning_names_the_likely_cause():
