@@ -893,9 +893,12 @@ def _guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
         )
     levels = hist.get("curriculum/max_level", [])
     if len(levels) > 5 and levels[-1] > levels[-6]:
+        gate = ""
+        if not cfg.grpo.signal_component and "success" in cfg.recipe.weights:
+            gate = "training only groups with a success (--grpo.signal_component=success), "
         return (
             f"the curriculum opened level {levels[-1]:g} in the last 5 steps and its groups "
-            "give little signal; a lower learning rate or a later unlock "
+            f"give little signal; {gate}a lower learning rate or a later unlock "
             "(--curriculum.unlock_at) keeps the policy from drifting there"
         )
     if ratios.get("completion/len_mean", 1.0) > 1.5:

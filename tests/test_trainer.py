@@ -688,6 +688,22 @@ def test_guards_warn_when_entropy_stays_above_twice_its_recent_median():
     assert Counters(**json.loads(json.dumps(counters.__dict__))).history == counters.history
 
 
+def test_a_drift_after_a_level_opened_names_the_success_gate_until_it_is_on():
+    from mlx_grpo.config import RunConfig
+    from mlx_grpo.trainer import _guard_cause
+
+    hist = {"curriculum/max_level": [3.0] * 5 + [4.0]}
+    weights = {"success": 1.0, "format": 0.2}
+    cfg = RunConfig(recipe={"weights": weights})
+    said = _guard_cause("entropy", {}, hist, cfg)
+    assert "opened level 4" in said and "--grpo.signal_component=success" in said
+    cfg = RunConfig(recipe={"weights": weights}, grpo={"signal_component": "success"})
+    said = _guard_cause("entropy", {}, hist, cfg)
+    assert "opened level 4" in said and "signal_component" not in said
+    said = _guard_cause("entropy", {}, hist, RunConfig(recipe={"weights": {"ascii": 1.0}}))
+    assert "opened level 4" in said and "signal_component" not in said
+
+
 def test_a_step_whose_entropy_leaves_its_range_writes_its_samples(
     tiny_model_dir, tmp_path, monkeypatch
 ):
