@@ -315,6 +315,24 @@ def test_no_signal_warning_names_the_likely_cause():
     assert "max_new_tokens" in _zero_signal_cause(r, ~no, best=1.5)
 
 
+def test_no_signal_warning_names_partial_credit_under_the_success_gate():
+    """Every group left out, some for partial credit alone: the warning says so."""
+    from mlx_grpo.config import RunConfig
+    from mlx_grpo.trainer import CompletionRecord, Counters, _warnings
+
+    cfg = RunConfig(
+        recipe={"weights": {"success": 1.0, "format": 0.2}},
+        grpo={"signal_component": "success"},
+        train={"zero_signal_warn_steps": 1},
+    )
+    rewards = np.array([0.2, 0.0, 0.2, 0.2], dtype=np.float32)  # group 0 varies, in format
+    records = [CompletionRecord(float(r), {}, None, None, False, 1, None) for r in rewards]
+    said = []
+    _warnings(3, {}, rewards, records, np.array([True, True]), Counters(), cfg, said.append)
+    assert len(said) == 1 and "none of its samples scored on success" in said[0]
+    assert "no sample scored on success: the open levels are beyond the policy" in said[0]
+
+
 def test_step_metrics_log_every_component_even_when_the_first_reward_raised():
     def record(components, failure=None):
         return trainer_mod.CompletionRecord(
