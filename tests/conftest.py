@@ -15,6 +15,10 @@ from pathlib import Path
 # user's (~/.cache/mlx-grpo); subprocesses inherit it.
 os.environ["MLX_GRPO_CACHE"] = _CACHE = tempfile.mkdtemp(prefix="mlx-grpo-test-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# The tolerances are float32 rounding. MLX's CUDA build multiplies float32 matrices in
+# TF32 by default (10-bit mantissa: errors near 1e-3, not 1e-7), so the suite turns that
+# off; CPU and Metal ignore the variable. Subprocesses inherit it.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 # isort: off
 import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
