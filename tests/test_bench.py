@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mlx_grpo.bench import work_unit as wu
 from mlx_grpo.bench.floor import floor_seconds, step_work
 
@@ -94,3 +96,37 @@ def test_work_unit_tasks_and_reward():
     assert wu.reward("The answer is 90.", 90) == 1.0
     assert wu.reward("It is 190 or 901", 90) == 0.0
     assert wu.reward("-90, 90.5", 90) == 0.0
+
+
+def test_each_finished_step_is_written_to_stderr_as_it_ends(capsys):
+    clock = wu.StepClock(0.0)
+    clock.record(step_s=1.5, rollout_s=0.5)
+    clock.record(step_s=2.0, rollout_s=0.75)
+    lines = capsys.readouterr().err.splitlines()
+    assert [json.loads(x.removeprefix(wu.STEP_TAG)) for x in lines] == clock.steps
+    assert all(x.startswith(wu.STEP_TAG) for x in lines)
+
+
+def test_a_runner_cut_off_by_its_limit_reports_its_finished_steps(tmp_path, monkeypatch):
+    """A runner stopped at its time limit (a cold GPU compiling its kernels, say) names
+    the steps it finished in the error, and its log keeps what it printed."""
+    from mlx_grpo.bench import speed
+
+    steps = [{"step_s": 56.8, "rollout_s": 3.4}, {"step_s": 6.4, "rollout_s": 3.0}]
+    (tmp_path / "cut_runner.py").write_text(
+        "import json, sys, time\n"
+        f"for s in {steps!r}:\n"
+        f"    sys.stderr.write({wu.STEP_TAG!r} + json.dumps(s) + '\\n')\n"
+        "sys.stderr.flush()\n"
+        "print('still going', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    log = tmp_path / "logs" / "cut.log"
+    with pytest.raises(speed.BenchError) as e:
+        speed.run_runner(sys.executable, "cut_runner", [], timeout=10, log=log)
+    assert str(e.value) == (
+        f"cut_runner ran past 10 s after 2 finished step(s) (56.8, 6.4 s) (log: {log})"
+    )
+    text = log.read_text()
+    assert "still going" in text and text.count(wu.STEP_TAG) == 2

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from mlx_grpo._paths import cache_root
-from mlx_grpo.bench.work_unit import RESULT_TAG
+from mlx_grpo.bench.work_unit import RESULT_TAG, STEP_TAG
 
 # The folder holding the mlx_grpo package (a checkout): the peers' runners import it from
 # there, and their virtual environments live there.
@@ -144,14 +144,27 @@ def run_runner(python: str, module: str, args: list[str], timeout: float, log: P
     """Run one system's runner in a fresh process; its tagged JSON line is the result."""
     t0 = time.time()
     cmd = [str(python), "-m", module, "--t0", repr(t0), *args]
+    log.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep_log(out, err) -> None:
+        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}")
+
     try:
         r = subprocess.run(
             cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
         )
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{module} ran past {timeout:.0f} s") from None
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+    except subprocess.TimeoutExpired as e:
+        # What the runner printed before it was stopped: its finished steps' records.
+        out, err = (_text(x) for x in (e.stdout, e.stderr))
+        keep_log(out, err)
+        done = [json.loads(x[len(STEP_TAG) :]) for x in err.splitlines() if x.startswith(STEP_TAG)]
+        times = ", ".join(f"{d['step_s']:.1f}" for d in done)
+        raise BenchError(
+            f"{module} ran past {timeout:.0f} s after {len(done)} finished step(s)"
+            + (f" ({times} s)" if done else "")
+            + f" (log: {log})"
+        ) from None
+    keep_log(r.stdout, r.stderr)
     for line in r.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             out = json.loads(line[len(RESULT_TAG) :])
@@ -159,6 +172,13 @@ def run_runner(python: str, module: str, args: list[str], timeout: float, log: P
             return out
     tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
     raise BenchError(f"{module} exited {r.returncode}: {tail[0][:200]} (log: {log})")
+
+
+def _text(x: bytes | str | None) -> str:
+    """A TimeoutExpired's captured output: bytes whatever `text=` said, or None."""
+    if x is None:
+        return ""
+    return x.decode(errors="replace") if isinstance(x, bytes) else x
 
 
 def summarize(res: dict) -> dict:

@@ -40,6 +40,7 @@ TASK_SEED = 0
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 RESULT_TAG = "BENCH_RESULT "  # the runner's JSON line starts with this
+STEP_TAG = "BENCH_STEP "  # each finished step, on stderr as it ends (read when a runner is cut off)
 
 
 def tasks(n: int = N_TASKS, seed: int = TASK_SEED) -> list[dict]:
@@ -117,6 +118,8 @@ class StepClock:
         if self.first_step_at is None:
             self.first_step_at = time.time() - self.t0
         self.steps.append(fields)
+        sys.stderr.write(STEP_TAG + json.dumps(fields) + "\n")
+        sys.stderr.flush()
 
     def result(self, system: str, version: str, **extra) -> dict:
         return {
