@@ -299,7 +299,18 @@ def masked_mean(x: mx.array, mask: mx.array, total_tokens: float | None = None) 
 # log-prob (each divided by the batch's token count, so they add up over pieces and
 # ranks like the rest); `split_guided` turns them into per-token means.
 GUIDED_PARTS = ("guided/token_frac", "guided/entropy_frac", "guided/logp_frac", "guided/kl_frac")
-LOSS_METRICS = ("loss/policy", "kl", "clip/frac", "ratio/mean", "entropy", *GUIDED_PARTS)
+# The same for the tokens the update reinforces (the policy's own samples with a positive
+# advantage); `split_reinforced` turns them into `entropy/reinforced`.
+REINFORCED_PARTS = ("reinforced/token_frac", "reinforced/entropy_frac")
+LOSS_METRICS = (
+    "loss/policy",
+    "kl",
+    "clip/frac",
+    "ratio/mean",
+    "entropy",
+    *GUIDED_PARTS,
+    *REINFORCED_PARTS,
+)
 
 
 def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[str, mx.array]]:
@@ -358,9 +369,13 @@ def objective(
         "ratio/mean": ratio_mean,
         "entropy": mean_entropy,
     }
+    count = tokens if tokens is not None else mask.sum()
     demo = mask * (0.0 if batch.guided is None else batch.guided[:, None])
     for key, x in zip(GUIDED_PARTS, (1.0, entropy, logp, kl)):
-        metrics[key] = masked_mean(x, demo, tokens if tokens is not None else mask.sum())
+        metrics[key] = masked_mean(x, demo, count)
+    up = (mask - demo) * (batch.advantages > 0)[:, None]
+    for key, x in zip(REINFORCED_PARTS, (1.0, entropy)):
+        metrics[key] = masked_mean(x, up, count)
     return loss, {k: mx.stop_gradient(v) for k, v in metrics.items()}
 
 
@@ -391,6 +406,25 @@ def split_guided(metrics: dict) -> dict:
     for key in ("entropy", "logp", "kl"):
         out[f"guidance/{key}"] = metrics[f"guided/{key}_frac"] / frac
     out["guidance/token_frac"] = frac
+    return out
+
+
+def split_reinforced(metrics: dict) -> dict:
+    """`metrics` with `REINFORCED_PARTS` turned into `entropy/reinforced`: the mean token
+    entropy of the replies the update reinforces (the policy's own samples with a
+    positive advantage), absent when it reinforced none. `entropy` is over every loss
+    token, and in a batch of one or two groups a few long failures that ramble carry
+    most of it (the update pushes those down); this one moves when what is taught
+    drifts.
+
+    >>> split_reinforced({"entropy": 0.5, "reinforced/token_frac": 0.25,
+    ...                   "reinforced/entropy_frac": 0.025})
+    {'entropy': 0.5, 'entropy/reinforced': 0.1}
+    """
+    out = {k: v for k, v in metrics.items() if k not in REINFORCED_PARTS}
+    frac = metrics.get("reinforced/token_frac", 0.0)
+    if frac > 0:
+        out["entropy/reinforced"] = metrics["reinforced/entropy_frac"] / frac
     return out
 
 

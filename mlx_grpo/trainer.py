@@ -41,6 +41,7 @@ from mlx_grpo.grpo import (
     next_beta,
     next_entropy_coef,
     split_guided,
+    split_reinforced,
     zero_variance_groups,
 )
 from mlx_grpo.guidance import demonstration_advantages, demonstration_starts, guide_groups
@@ -764,12 +765,14 @@ def update_step(
                     f"{step}; lower optimizer.learning_rate or check the reward"
                 )
         it_metrics.append(
-            split_guided(
-                {
-                    "loss/total": loss.item(),
-                    "grad_norm": grad_norm.item(),
-                    **{k: v.item() for k, v in m.items()},
-                }
+            split_reinforced(
+                split_guided(
+                    {
+                        "loss/total": loss.item(),
+                        "grad_norm": grad_norm.item(),
+                        **{k: v.item() for k, v in m.items()},
+                    }
+                )
             )
         )
     model.eval()

@@ -658,10 +658,11 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     the sampled rows only, and `guidance/entropy` and `guidance/logp` the token means
     over the demonstration rows, each against the model's full logits through MLX's own
     softmax; `kl` and `guidance/kl` likewise, the k3 estimate from those log-probs;
+    `entropy/reinforced` the token mean over the sampled rows with a positive advantage;
     whole or in micro-batches; the loss and its gradient do not change. A batch of
-    demonstrations alone has no on-policy `entropy` or `kl`."""
+    demonstrations alone has no on-policy `entropy`, `kl` or `entropy/reinforced`."""
     from mlx_grpo.dist import Dist
-    from mlx_grpo.grpo import split_guided
+    from mlx_grpo.grpo import split_guided, split_reinforced
     from mlx_grpo.trainer import policy_gradient
 
     model, _ = tiny
@@ -680,7 +681,8 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     def update(guided, max_positions=None):
         batch = LossInputs(prompts, comp, mask, adv, None, ref, c, guided=guided)
         loss, m, grads, _, _ = policy_gradient(model, grad_fn, batch, Dist(), 1e9, max_positions)
-        return loss, split_guided({k: v.item() for k, v in m.items()}), dict(tree_flatten(grads))
+        m = split_reinforced(split_guided({k: v.item() for k, v in m.items()}))
+        return loss, m, dict(tree_flatten(grads))
 
     g = n // len(prompts)
     logp, ent = np.zeros((n, c)), np.zeros((n, c))
@@ -693,6 +695,7 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
         logp[i] = np.array(mx.take_along_axis(log_p, comp[i][:, None], axis=-1)[:, 0])
     on = np.array(mask)
     sampled, shown = on * (1 - demo[:, None]), on * demo[:, None]
+    up = np.array(adv)[:, None] > 0
     k = tiny_additions(vars(model.args))
     # A reference about a nat from the policy: k3 = e^d - d - 1, d = ref - logp.
     d = np.random.default_rng(7).normal(size=(n, c))
@@ -709,11 +712,15 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     assert not any(key.startswith("guidance/") for key in plain)
     assert_f32_close(plain["entropy"], (ent * on).sum() / on.sum(), k, "entropy, no demos")
     assert_kl_close(plain["kl"], on, "kl, no demos")
+    want = (ent * on * up).sum() / (on * up).sum()
+    assert_f32_close(plain["entropy/reinforced"], want, k, "reinforced H, no demos")
     for budget in (None, 20):
         loss, m, grads = update(mx.array(demo), budget)
         assert_f32_close(m["entropy"], (ent * sampled).sum() / sampled.sum(), k, "entropy")
         assert_f32_close(m["guidance/entropy"], (ent * shown).sum() / shown.sum(), k, "demo H")
         assert_f32_close(m["guidance/logp"], (logp * shown).sum() / shown.sum(), k, "demo logp")
+        want = (ent * sampled * up).sum() / (sampled * up).sum()
+        assert_f32_close(m["entropy/reinforced"], want, k, "reinforced H")
         assert_kl_close(m["kl"], sampled, "kl")
         assert_kl_close(m["guidance/kl"], shown, "demo kl")
         assert m["guidance/token_frac"] == pytest.approx(shown.sum() / on.sum(), rel=1e-6)
@@ -723,6 +730,9 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     # The split is not a rounding effect: the two kinds of rows differ here.
     assert abs(m["entropy"] - plain["entropy"]) > 1e-3
     assert abs(m["kl"] - plain["kl"]) > 1e-3
+    assert abs(m["entropy/reinforced"] - m["entropy"]) > 1e-3
+    assert abs(m["entropy/reinforced"] - plain["entropy/reinforced"]) > 1e-3
+    assert 0 < up[:, 0].sum() < n and up[[3, 4], 0].any()  # both signs; a demo row is positive
     _, alone, _ = update(mx.ones(n))
-    assert "entropy" not in alone and "kl" not in alone
+    assert "entropy" not in alone and "kl" not in alone and "entropy/reinforced" not in alone
     assert_kl_close(alone["guidance/kl"], on, "kl, demonstrations alone")
