@@ -55,6 +55,34 @@ class Completion:
         return len(self.tokens) if self.loss_mask is None else sum(self.loss_mask)
 
 
+def turn_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each reply in an episode's tokens: the runs of its loss mask.
+
+    >>> turn_spans([1, 1, 0, 0, 1, 0, 1])
+    [(0, 2), (4, 5), (6, 7)]
+    """
+    spans, start = [], None
+    for i, m in enumerate([*loss_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def ill_formed_turns(c: Completion) -> list[tuple[int, int]]:
+    """[start, end) in `c.tokens` of the replies of episode `c` that its environment
+    marked ill-formed (their step's `info["format"]` is False); none for a single-turn
+    completion. The spans are this completion's own turns: the last ones of the episode,
+    which may have started from turns played before (`rollout_tasks`' `starts`)."""
+    if c.episode is None or c.loss_mask is None:
+        return []
+    spans = turn_spans(c.loss_mask)
+    results = c.episode.results[len(c.episode.results) - len(spans) :]
+    return [span for span, r in zip(spans, results) if r.info.get("format") is False]
+
+
 @dataclass
 class Rollout:
     """B prompts x G completions; completions are grouped by prompt, contiguously."""

@@ -50,7 +50,7 @@ from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled, adapters_set
 from mlx_grpo.procmem import descendants_bytes
 from mlx_grpo.recipe import Recipe, Scored, Task
-from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
+from mlx_grpo.rollout import Completion, Rollout, ill_formed_turns, keyed_samplers, rollout_tasks
 from mlx_grpo.runfolder import RunFolder
 from mlx_grpo.trackers import Trackers
 from mlx_grpo.warmstart import check_ranks, warm_start
@@ -119,16 +119,21 @@ def build_loss_inputs(
     mask_truncated: bool,
     groups: list[int] | None = None,
     silent: frozenset[int] = frozenset(),
+    reinforce_ill_formed: bool = True,
 ) -> LossInputs:
     """The prompts of `groups` (default: all), their right-padded [N, C] completions
     and the loss mask (the model's own tokens; never the environment's). The rows in
     `silent` (indices into `rollout.completions`) keep their place with an empty mask:
     they add nothing to the loss and cost nothing in its passes (`effective_lengths`),
-    but count in its divisors."""
+    but count in its divisors. Without `reinforce_ill_formed`, the replies its
+    environment marked ill-formed (`ill_formed_turns`) leave the mask of an episode with
+    a positive advantage; `withheld_turns` counts them."""
     g = rollout.group_size
     groups = list(range(len(rollout.prompts))) if groups is None else groups
     rows = [gi * g + j for gi in groups for j in range(g)]
     comps = [rollout.completions[r] for r in rows]
+    adv = advantages[mx.array(rows)] if len(rows) != advantages.size else advantages
+    withheld = [] if reinforce_ill_formed else withheld_turns(comps, np.array(adv))
     c_max = max(len(c.tokens) for c in comps)
     tokens = np.zeros((len(comps), c_max), dtype=np.int32)
     mask = np.zeros((len(comps), c_max), dtype=np.float32)
@@ -136,17 +141,27 @@ def build_loss_inputs(
         tokens[i, : len(c.tokens)] = c.tokens
         if not (mask_truncated and c.truncated) and row not in silent:
             mask[i, : len(c.tokens)] = 1.0 if c.loss_mask is None else c.loss_mask
+    for i, (lo, hi) in withheld:
+        mask[i, lo:hi] = 0.0
     demos = [float(c.demonstration) for c in comps]
     return LossInputs(
         prompts=[mx.array(rollout.prompts[gi]) for gi in groups],
         completions=mx.array(tokens),
         mask=mx.array(mask),
-        advantages=advantages[mx.array(rows)] if len(rows) != advantages.size else advantages,
+        advantages=adv,
         old_logprobs=None,
         ref_logprobs=None,
         max_new_tokens=max_new_tokens,
         guided=mx.array(demos) if any(demos) else None,
     )
+
+
+def withheld_turns(comps: list[Completion], advantages: np.ndarray) -> list[tuple[int, tuple]]:
+    """(row, [start, end)) of each ill-formed reply in an episode that the update would
+    reinforce (positive advantage): what `reinforce_ill_formed=False` leaves out."""
+    return [
+        (i, span) for i, c in enumerate(comps) if advantages[i] > 0 for span in ill_formed_turns(c)
+    ]
 
 
 @dataclass
@@ -180,6 +195,7 @@ class CompletionRecord:
     turns: int | None  # episode turns (multi-turn recipes)
     text: str | None = None  # only on steps whose samples are logged
     finish_reason: str | None = None
+    ill_formed: int = 0  # replies its environment marked ill-formed (`ill_formed_turns`)
 
     @classmethod
     def of(cls, completion, scored: Scored, with_text: bool) -> CompletionRecord:
@@ -193,6 +209,7 @@ class CompletionRecord:
             turns=completion.episode.turns if completion.episode is not None else None,
             text=completion.text if with_text else None,
             finish_reason=completion.finish_reason if with_text else None,
+            ill_formed=len(ill_formed_turns(completion)),
         )
 
 
@@ -431,6 +448,7 @@ def train(
                         cfg.grpo.mask_truncated_completions,
                         local,
                         silent,
+                        cfg.grpo.reinforce_ill_formed,
                     )
                     batch.entropy_coef, batch.beta = entropy_coef, beta
                 it_metrics, delta, sync_s = update_step(
@@ -454,6 +472,18 @@ def train(
             )  # fmt: skip
             if cfg.grpo.signal_component:
                 metrics["groups/unscored_frac"] = float(unscored.mean())
+            if not cfg.grpo.reinforce_ill_formed and records[0].turns is not None:
+                # The ill-formed replies of reinforced episodes (`build_loss_inputs`);
+                # a silent row's replies are out of the loss anyway.
+                silenced = demos and cfg.grpo.guidance_advantage == "demonstration"
+                adv = np.array(advantages)
+                metrics["turns/withheld"] = sum(
+                    records[r].ill_formed
+                    for gi in train_groups
+                    if not (silenced and (zero_var | unscored)[gi])
+                    for r in range(gi * g, (gi + 1) * g)
+                    if adv[r] > 0
+                )
             if cfg.grpo.demo_starts:
                 metrics["starts/groups"] = len(partway)
                 if partway:
@@ -854,15 +884,18 @@ def _step_metrics(
 # Guards: entropy or KL above GUARD_FACTOR x its usual value (the median over the last
 # GUARD_WINDOW steps that updated) for GUARD_STEPS steps in a row, once GUARD_WARMUP
 # steps are in (KL grows from 0 over the first twenty or so steps: it waits longer).
-GUARDED = ("entropy", "kl")
+# `entropy/reinforced` is watched on its own too: it is what the update teaches, while
+# `entropy` can be carried by a few long failures that the update pushes down.
+GUARDED = ("entropy", "entropy/reinforced", "kl")
 GUARD_CONTEXT = ("completion/len_mean", "curriculum/max_level")
-GUARD_WARMUP = {"entropy": 10, "kl": 20}
+GUARD_WARMUP = {"entropy": 10, "entropy/reinforced": 10, "kl": 20}
 GUARD_WINDOW, GUARD_FACTOR, GUARD_STEPS = 20, 2.0, 3
 
 
 def _guards(step: int, metrics: dict, counters: Counters, cfg: RunConfig, say) -> None:
-    """Log `guard/<metric>_x_median` (the step's value over its usual one) and warn, with
-    the likely cause, when entropy or KL stays above GUARD_FACTOR x it."""
+    """Log `guard/<metric>_x_median` (the step's value over its usual one; `/` in the
+    metric's name as `_`) and warn, with the likely cause, when entropy or KL stays
+    above GUARD_FACTOR x it."""
     hist = counters.history
     ratios = {}
     for key in GUARDED + GUARD_CONTEXT:
@@ -874,7 +907,7 @@ def _guards(step: int, metrics: dict, counters: Counters, cfg: RunConfig, say) -
     for key in GUARDED:
         if key not in ratios:
             continue
-        metrics[f"guard/{key}_x_median"] = ratios[key]
+        metrics[guard_key(key)] = ratios[key]
         streak = counters.guard_streak.get(key, 0) + 1 if ratios[key] > GUARD_FACTOR else 0
         counters.guard_streak[key] = streak
         if streak == GUARD_STEPS:
@@ -888,11 +921,24 @@ def _guards(step: int, metrics: dict, counters: Counters, cfg: RunConfig, say) -
             hist.setdefault(key, []).append(float(metrics[key]))
 
 
+def guard_key(metric: str) -> str:
+    """The logged ratio of `metric` to its usual value: 'guard/entropy_reinforced_x_median'."""
+    return f"guard/{metric.replace('/', '_')}_x_median"
+
+
 def _guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
-    if key == "entropy" and entropy_bonus_on(cfg.grpo):
+    if key.startswith("entropy") and entropy_bonus_on(cfg.grpo):
         return (
             "the loss pays for entropy (grpo.entropy_coef / entropy_target): lower "
             "--grpo.entropy_target or --grpo.entropy_coef_max, or turn the bonus off"
+        )
+    taught = ratios.get("entropy/reinforced")
+    if key == "entropy" and taught is not None and taught <= GUARD_FACTOR:
+        return (
+            f"the replies the update reinforces are near their usual entropy ({taught:.1f}x "
+            "their median, entropy/reinforced): it is in failed replies that ramble, which "
+            "the update pushes down, in a batch of few groups; not a drift of what is "
+            "taught (this step's samples.jsonl shows them)"
         )
     levels = hist.get("curriculum/max_level", [])
     if len(levels) > 5 and levels[-1] > levels[-6]:
@@ -965,7 +1011,7 @@ def _samples_due(step: int, start: int, metrics: dict, every: int) -> bool:
     """
     if not every:
         return False
-    drifted = any(metrics.get(f"guard/{k}_x_median", 0.0) > GUARD_FACTOR for k in GUARDED)
+    drifted = any(metrics.get(guard_key(k), 0.0) > GUARD_FACTOR for k in GUARDED)
     return step % every == 0 or step == start + 1 or drifted
 
 

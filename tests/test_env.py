@@ -4,6 +4,7 @@ of the conversation, only the model's tokens are trained on, and the loop runs t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -71,6 +72,56 @@ def test_episodes_render_exactly_the_chat_template(tiny):
     assert 0 < mask.sum() < sum(len(c.tokens) for c in rollout.completions)
 
 
+def test_a_reinforced_episode_leaves_its_ill_formed_replies_out_of_the_loss(tiny):
+    """grpo.reinforce_ill_formed=False: in an episode with a positive advantage, each
+    reply its environment marked ill-formed (`info["format"]` False) leaves the loss
+    mask; an episode pushed down keeps all of its replies. Also from a start
+    (turns played before the prompt's loss, which the mask does not hold)."""
+    from mlx_grpo.env import StepResult
+    from mlx_grpo.trainer import withheld_turns
+
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = recipe.tasks("train", 6, 0)
+    cfg = RolloutConfig(max_new_tokens=6, max_turns=3, temperature=1.0)
+    mx.random.seed(3)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 4, cfg)
+    # Every other reply is marked ill-formed, whatever its text.
+    for i, c in enumerate(rollout.completions):
+        ep = c.episode
+        ep.results = [
+            r._replace(info={"format": (i + k) % 2 == 0}) for k, r in enumerate(ep.results)
+        ]
+    # One earlier ill-formed turn before a reinforced episode's own (as a start leaves it).
+    first = rollout.completions[10].episode  # task 2: three turns
+    first.actions.insert(0, "an earlier long reply")
+    first.results.insert(0, StepResult("", False, {"format": False}))
+    signs = np.where(np.arange(24) % 3 == 0, -1.0, 1.0).astype(np.float32)
+    kept = np.array(build_loss_inputs(rollout, mx.array(signs), 18, False).mask)
+    cut = np.array(
+        build_loss_inputs(rollout, mx.array(signs), 18, False, reinforce_ill_formed=False).mask
+    )
+    withheld = reinforced = 0
+    for i, c in enumerate(rollout.completions):
+        expected = np.zeros(cut.shape[1], np.float32)
+        expected[: len(c.tokens)] = c.loss_mask
+        replies = _runs(c.loss_mask)
+        own = c.episode.actions[len(c.episode.actions) - len(replies) :]
+        assert len(own) == len(replies) == c.episode.turns - (i == 10)
+        assert kept[i].tolist() == expected.tolist()
+        for k, (a, b) in enumerate(replies):
+            if signs[i] > 0 and (i + k) % 2:
+                expected[a:b] = 0.0
+                withheld += 1
+            else:
+                reinforced += signs[i] > 0
+        assert cut[i].tolist() == expected.tolist()
+    assert withheld > 0 and reinforced > 0  # both cases occur
+    assert len(withheld_turns(rollout.completions, signs)) == withheld
+    assert withheld_turns(rollout.completions, -np.abs(signs)) == []
+    assert withheld_turns([replace(rollout.completions[1], episode=None)], signs) == []
+
+
 def test_a_turn_continues_on_the_cache_of_the_previous_one(tiny):
     """`_decode` hands back each sequence's own cache (its start cache, its tail and
     every sampled id): decoding the next turn on it gives the log-probs of one plain
@@ -129,6 +180,9 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
     for r in rows:
         assert 1 <= r["episode/turns_mean"] <= 3
         assert "reward/finished" in r and "curriculum/max_level" in r
+        # Its replies of 4 characters or more are ill-formed (toy_env), and no more of
+        # them can be withheld than the episodes have turns.
+        assert 0 <= r["turns/withheld"] <= r["episode/turns_mean"] * 8
     assert "eval/reward" in rows[-1] and "eval/level_1/reward" in rows[-1]
     evals = [json.loads(x) for x in (tmp_path / "e" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 3] and len(evals[-1]["results"]) == 3

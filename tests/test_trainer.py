@@ -708,6 +708,35 @@ def test_guards_warn_when_entropy_stays_above_twice_its_recent_median():
     assert Counters(**json.loads(json.dumps(counters.__dict__))).history == counters.history
 
 
+def test_an_entropy_spike_in_failures_alone_is_named_and_a_taught_one_warns_apart():
+    """`entropy` above twice its median for 3 steps while `entropy/reinforced` keeps its
+    own: the warning says the spike is in the failures pushed down. When the reinforced
+    replies' entropy itself climbs, its own guard warns (and logs its ratio)."""
+    from mlx_grpo.config import RunConfig
+    from mlx_grpo.trainer import Counters, _guards
+
+    cfg, counters, said = RunConfig(), Counters(), []
+    whole = [0.2] * 12 + [0.9, 1.0, 1.1]
+    taught = [0.1] * 12 + [0.1, 0.12, 0.11]
+    for step, (e, r) in enumerate(zip(whole, taught), 1):
+        _guards(
+            step, {"entropy": e, "entropy/reinforced": r, "kl": 0.01}, counters, cfg, said.append
+        )
+    assert len(said) == 1 and said[0].startswith("step 15: entropy 1.1 has been above"), said
+    assert "failed replies that ramble" in said[0] and "1.1x their median" in said[0]
+
+    counters, said, m = Counters(), [], {}
+    for step, r in enumerate([0.1] * 12 + [0.3, 0.35, 0.4], 1):
+        m = {"entropy": 2 * r, "entropy/reinforced": r, "kl": 0.01}
+        _guards(step, m, counters, cfg, said.append)
+    assert m["guard/entropy_reinforced_x_median"] == pytest.approx(4.0)
+    assert [x.split(" has")[0] for x in said] == [
+        "step 15: entropy 0.8",
+        "step 15: entropy/reinforced 0.4",
+    ]
+    assert all("ramble" not in x for x in said)
+
+
 def test_a_drift_after_a_level_opened_names_the_success_gate_until_it_is_on():
     from mlx_grpo.config import RunConfig
     from mlx_grpo.trainer import _guard_cause

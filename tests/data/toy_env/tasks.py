@@ -27,7 +27,10 @@ class CountEnv:
     def step(self, action: str) -> StepResult:
         self.taken += 1
         done = self.taken >= self.turns
-        return StepResult(f"turn {self.taken}: {len(action)} chars", done, {})
+        # A short reply is the toy's well-formed one (what `info["format"]` marks).
+        return StepResult(
+            f"turn {self.taken}: {len(action)} chars", done, {"format": len(action) < 4}
+        )
 
 
 def make_env(task):
