@@ -35,13 +35,18 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def test_episodes_render_exactly_the_chat_template(tiny):
-    model, tok = tiny
+def _toy_episodes(model, tok):
+    """(recipe, tasks, rollout): four episodes of each of six toy tasks (1-3 turns)."""
     recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
     tasks = recipe.tasks("train", 6, 0)
     cfg = RolloutConfig(max_new_tokens=6, max_turns=3, temperature=1.0)
     mx.random.seed(3)
-    rollout = rollout_tasks(model, tok, recipe, tasks, 4, cfg)
+    return recipe, tasks, rollout_tasks(model, tok, recipe, tasks, 4, cfg)
+
+
+def test_episodes_render_exactly_the_chat_template(tiny):
+    model, tok = tiny
+    recipe, tasks, rollout = _toy_episodes(model, tok)
     assert len(rollout.completions) == 24
     eos = tok.eos_token_id
     for c in rollout.completions:
@@ -80,12 +85,7 @@ def test_a_reinforced_episode_leaves_its_ill_formed_replies_out_of_the_loss(tiny
     from mlx_grpo.env import StepResult
     from mlx_grpo.trainer import withheld_turns
 
-    model, tok = tiny
-    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
-    tasks = recipe.tasks("train", 6, 0)
-    cfg = RolloutConfig(max_new_tokens=6, max_turns=3, temperature=1.0)
-    mx.random.seed(3)
-    rollout = rollout_tasks(model, tok, recipe, tasks, 4, cfg)
+    _, _, rollout = _toy_episodes(*tiny)
     # Every other reply is marked ill-formed, whatever its text.
     for i, c in enumerate(rollout.completions):
         ep = c.episode
