@@ -216,13 +216,14 @@ class GRPOConfig(_Section):
         "Guided groups (`guidance`) hold a demonstration and always train.",
     )
     reinforce_ill_formed: bool = Field(
-        False,
+        True,
         description="Multi-turn: whether a reply that its environment marks ill-formed "
         "(the step's info['format'] is False: web agents, a reply that is not exactly one "
         "action) is reinforced with the rest of an episode whose advantage is positive. "
-        "False: such a reply leaves the loss of a reinforced episode, so that a success "
-        "does not teach the junk it carried (the environment executes the first action it "
-        "finds); in an episode pushed down it stays. Logged as turns/withheld.",
+        "False (web_browsing): such a reply leaves the loss of a reinforced episode, so "
+        "that a success does not teach the junk it carried (the environment executes the "
+        "first action it finds); in an episode pushed down it stays. Logged as "
+        "turns/withheld.",
     )
     skip_zero_variance_groups: bool = Field(
         True,

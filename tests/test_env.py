@@ -173,6 +173,7 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
         "--output.run=e",
         "--train.eval_every=3",
         "--train.eval_tasks=3",
+        "--grpo.reinforce_ill_formed=false",
     ]
     assert cmd_train(args) == 0
     rows = [json.loads(x) for x in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
