@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
+
 
 class StepResult(NamedTuple):
     observation: str  # shown to the model as the next user message (ignored when done)
@@ -50,3 +52,14 @@ class Episode:
     @property
     def turns(self) -> int:
         return len(self.actions)
+
+
+def turn_spans(loss_mask) -> list[tuple[int, int]]:
+    """[start, end) of each reply in an episode's tokens: the runs of its loss mask
+    (the model's tokens, between the environment's).
+
+    >>> turn_spans([1, 1, 0, 0, 1, 0, 1])
+    [(0, 2), (4, 5), (6, 7)]
+    """
+    edges = np.diff(np.concatenate([[0], np.asarray(loss_mask) > 0, [0]]).astype(np.int8))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))

@@ -69,6 +69,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_grpo.env import turn_spans
 from mlx_grpo.logprobs import completion_logprobs, effective_lengths
 
 ADV_EPS = 1e-4
@@ -277,14 +278,12 @@ def turn_weights(mask: mx.array, per_episode: bool = False) -> mx.array:
     >>> (6 * np.array(turn_weights(mx.array([[1.0, 1, 0, 0, 1, 1, 1, 0]]), True))).tolist()
     [[1.5, 1.5, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]]
     """
-    m = np.array(mask) > 0
-    edges = np.diff(np.pad(m.astype(np.int8), ((0, 0), (1, 1))), axis=1)
+    m = np.array(mask)
     w = np.zeros(m.shape, np.float32)
-    starts = np.nonzero(edges == 1)
-    turns = np.bincount(starts[0], minlength=m.shape[0])
-    for row, col in zip(*starts):
-        end = col + int(np.argmax(edges[row, col + 1 :] == -1)) + 1
-        w[row, col:end] = 1.0 / (end - col) / (turns[row] if per_episode else 1)
+    for row in range(m.shape[0]):
+        spans = turn_spans(m[row])
+        for start, end in spans:
+            w[row, start:end] = 1.0 / (end - start) / (len(spans) if per_episode else 1)
     return mx.array(w)
 
 

@@ -27,7 +27,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.decode import CompiledDecoder, supported
-from mlx_grpo.env import Env, Episode
+from mlx_grpo.env import Env, Episode, turn_spans
 from mlx_grpo.models import adapters_folded
 
 
@@ -53,22 +53,6 @@ class Completion:
     @property
     def model_tokens(self) -> int:
         return len(self.tokens) if self.loss_mask is None else sum(self.loss_mask)
-
-
-def turn_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each reply in an episode's tokens: the runs of its loss mask.
-
-    >>> turn_spans([1, 1, 0, 0, 1, 0, 1])
-    [(0, 2), (4, 5), (6, 7)]
-    """
-    spans, start = [], None
-    for i, m in enumerate([*loss_mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
 
 
 def ill_formed_turns(c: Completion) -> list[tuple[int, int]]:
