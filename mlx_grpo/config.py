@@ -90,6 +90,13 @@ class RolloutConfig(_Section):
         description="A reply ends at its first line break (one-line actions): decoding "
         "stops after the token that holds it and the reply's text is cut there.",
     )
+    end_on_ill_formed: bool = Field(
+        False,
+        description="Multi-turn training rollouts: an episode ends at a reply that its "
+        "environment marks ill-formed (info['format'] false), so a failure that rambles "
+        "is one reply long instead of running to max_turns. Held-out evaluation and "
+        "compare play every episode to its end.",
+    )
     temperature: float = Field(0.8, gt=0, description="Sampling temperature (> 0 for RL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")

@@ -127,7 +127,8 @@ def _machine() -> dict:
 def settings_material(cfg, recipe_folder: Path, tasks, samples, temperature, seed, batch_tasks):
     """What both sides of a compare share: code, libraries, machine, what is played.
     Computed once, before either side plays (which imports more modules)."""
-    rollout = cfg.rollout.model_dump(exclude={"temperature"})  # --temperature decides
+    # --temperature decides; evaluation plays every episode to its end
+    rollout = cfg.rollout.model_dump(exclude={"temperature", "end_on_ill_formed"})
     if temperature == 0:  # greedy: the sampling filters are not used
         for k in ("top_p", "top_k", "min_p"):
             rollout.pop(k, None)

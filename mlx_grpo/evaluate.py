@@ -51,6 +51,7 @@ def evaluate(
     identical, so use 1), else sampled with `cfg`'s top-p/top-k at `temperature`."""
     if not tasks:
         raise ValueError("evaluate: no tasks")
+    cfg = cfg.model_copy(update={"end_on_ill_formed": False})  # a training rule only
     if temperature == 0:
         sampler = GreedySampler()
     else:

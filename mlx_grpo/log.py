@@ -34,6 +34,7 @@ KEY_METRICS = (
     "memory/children_gb",
     "episode/turns_mean",
     "turns/withheld",
+    "episodes/ended_ill_formed",
     "curriculum/max_level",
     "curriculum/replay_frac",
     "curriculum/score_mean",

@@ -38,8 +38,8 @@ class Completion:
     prompt_index: int
     tokens: list[int]  # sampled ids, stop token included when finish_reason == "stop"
     text: str  # decoded, without the stop token (episodes: the model's replies)
-    # "stop" (EOS, or the line break of `stop_at_newline`) or "length" (hit
-    # max_new_tokens / the turn limit)
+    # "stop" (EOS, or the line break of `stop_at_newline`), "length" (hit
+    # max_new_tokens / the turn limit) or "ill_formed" (`rollout.end_on_ill_formed`)
     finish_reason: str
     # Episodes: 1 where `tokens` holds a model token, 0 for the environment's tokens.
     loss_mask: list[int] | None = None
@@ -571,7 +571,8 @@ def take_turn(
     """Play one reply (`text`, sampled as `toks`) in `episode.env` and extend the
     episode's tokens: the reply's (in the loss), then the environment's answer (not).
     Returns the answer's tokens, or None when the episode is over (done, out of turns
-    or of `max_episode_tokens`), the finish reason so far, and the seconds in env.step."""
+    or of `max_episode_tokens`, or an ill-formed reply under `end_on_ill_formed`), the
+    finish reason so far, and the seconds in env.step."""
     tic = time.perf_counter()
     result = episode.env.step(text)
     seconds = time.perf_counter() - tic
@@ -582,6 +583,8 @@ def take_turn(
     if result.done:
         episode.done = True
         return None, reason, seconds
+    if cfg.end_on_ill_formed and result.info.get("format") is False:
+        return None, "ill_formed", seconds
     if turn + 1 == cfg.max_turns:
         return None, "length", seconds
     extra = template.tokens(result.observation, toks, reason == "stop")

@@ -196,6 +196,7 @@ class CompletionRecord:
     text: str | None = None  # only on steps whose samples are logged
     finish_reason: str | None = None
     ill_formed: int = 0  # replies its environment marked ill-formed (`ill_formed_turns`)
+    ended_ill_formed: bool = False  # the episode ended there (`rollout.end_on_ill_formed`)
 
     @classmethod
     def of(cls, completion, scored: Scored, with_text: bool) -> CompletionRecord:
@@ -210,6 +211,7 @@ class CompletionRecord:
             text=completion.text if with_text else None,
             finish_reason=completion.finish_reason if with_text else None,
             ill_formed=len(ill_formed_turns(completion)),
+            ended_ill_formed=completion.finish_reason == "ill_formed",
         )
 
 
@@ -483,6 +485,10 @@ def train(
                     if not (silenced and (zero_var | unscored)[gi])
                     for r in range(gi * g, (gi + 1) * g)
                     if adv[r] > 0
+                )
+            if cfg.rollout.end_on_ill_formed and records[0].turns is not None:
+                metrics["episodes/ended_ill_formed"] = float(
+                    np.mean([r.ended_ill_formed for r in records])
                 )
             if cfg.grpo.demo_starts:
                 metrics["starts/groups"] = len(partway)

@@ -77,6 +77,54 @@ def test_episodes_render_exactly_the_chat_template(tiny):
     assert 0 < mask.sum() < sum(len(c.tokens) for c in rollout.completions)
 
 
+def test_an_ill_formed_reply_ends_a_training_episode_and_evaluation_plays_on(tiny, monkeypatch):
+    """rollout.end_on_ill_formed: a training episode ends at its first reply that the
+    environment marks ill-formed (finish reason "ill_formed"), checked by replaying each
+    episode's replies in a fresh environment; held-out evaluation ignores the rule."""
+    from mlx_grpo.evaluate import evaluate
+
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    played = []
+
+    class Marked(recipe.module.CountEnv):
+        """The toy env, marking about half of the replies ill-formed by their bytes and turn
+        (the tiny model's replies are all max_new_tokens long, so length cannot)."""
+
+        def __init__(self, turns):
+            super().__init__(turns)
+            self.marks = []
+            played.append(self)
+
+        def step(self, action):
+            self.marks.append((sum(action.encode()) + len(self.marks)) % 2 != 0)
+            return super().step(action)._replace(info={"format": self.marks[-1]})
+
+    monkeypatch.setattr(recipe.module, "make_env", lambda task: Marked(task.payload["turns"]))
+    tasks = recipe.tasks("train", 6, 0)
+    cfg = RolloutConfig(max_new_tokens=4, max_turns=3, temperature=1.0, end_on_ill_formed=True)
+    mx.random.seed(3)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 8, cfg)
+    reasons = []
+    for c in rollout.completions:
+        env = recipe.make_env(tasks[c.prompt_index])
+        env.reset()
+        *before, last = [env.step(a) for a in c.episode.actions]
+        assert all(not r.done and r.info["format"] for r in before)
+        cut = not last.done and not last.info["format"]
+        assert last.done or cut  # max_turns (3) is every toy task's length or more
+        assert c.finish_reason == ("ill_formed" if cut else "stop")
+        assert len(_runs(c.loss_mask)) == c.episode.turns
+        reasons.append(c.finish_reason)
+    assert {"ill_formed", "stop"} <= set(reasons)
+    assert any(c.episode.turns > 1 for c in rollout.completions)
+
+    played.clear()
+    results = evaluate(model, tok, recipe, recipe.tasks("eval", 24, 0), cfg)
+    assert all(r.components["finished"] == [1.0] for r in results)
+    assert any(False in env.marks[:-1] for env in played)  # ill-formed, then played on
+
+
 def test_a_reinforced_episode_leaves_its_ill_formed_replies_out_of_the_loss(tiny):
     """grpo.reinforce_ill_formed=False: in an episode with a positive advantage, each
     reply its environment marked ill-formed (`info["format"]` False) leaves the loss
@@ -190,6 +238,35 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
     assert evals[0]["rollout_tokens"] == 0
     assert evals[-1]["rollout_tokens"] == rows[-1]["rollout/tokens_total"]
     assert (tmp_path / "e" / "adapters.safetensors").exists()
+
+
+def test_a_run_that_ends_episodes_at_ill_formed_replies_logs_how_many(tiny_model_dir, tmp_path):
+    """The tiny model's replies are 6 characters, all ill-formed for toy_env: under
+    rollout.end_on_ill_formed every episode is one reply long, and those of tasks with
+    more turns are the ones the rule ended."""
+    args = [
+        "--recipe",
+        str(TOY_ENV),
+        f"--model.path={tiny_model_dir}",
+        f"--output.dir={tmp_path}",
+        "--output.run=c",
+        "--rollout.end_on_ill_formed=true",
+        "--train.sample_every=1",
+    ]
+    assert cmd_train(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (tmp_path / "c" / "samples.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["episode/turns_mean"] == 1.0
+        mine = [s for s in samples if s["step"] == r["step"]]
+        assert len(mine) == 8
+        # Tasks are "train-0-i", lasting 1 + i % 3 turns.
+        longer = [int(s["task"].rsplit("-", 1)[1]) % 3 > 0 for s in mine]
+        assert r["episodes/ended_ill_formed"] == np.mean(longer)
+        assert all(
+            s["finish_reason"] == ("ill_formed" if lg else "stop") for s, lg in zip(mine, longer)
+        )
+    assert any(r["episodes/ended_ill_formed"] > 0 for r in rows)
 
 
 def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path):
