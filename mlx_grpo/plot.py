@@ -112,9 +112,10 @@ def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
         s, v = _series(rows, k)
         if len(s):
             ax.plot(s, _smooth(v, smooth), label=label)
-    ax.set_title("KL and entropy (per token)")
+    ax.set_title("KL and entropy (per token)" if ax.lines else "KL and entropy: no update yet")
     ax.set_xlabel("step")
-    ax.legend(fontsize=8)
+    if ax.lines:
+        ax.legend(fontsize=8)
 
     ax = axes[1, 1]
     levels = sorted(
