@@ -99,7 +99,9 @@ def resolve_eval_config(recipe: str | None, overrides: dict, sides: list[Side]) 
                 "or rewards differ; choose one with --recipe NAME"
             )
         cfg = runs[-1].run_config  # B's, when B is a run
-        base = {"recipe": cfg.recipe.model_dump(), "rollout": cfg.rollout.model_dump()}
+        # A training run's rollout settings, as evaluation plays them (to each episode's end)
+        rollout = cfg.rollout.model_dump(exclude={"end_on_ill_formed"})
+        base = {"recipe": cfg.recipe.model_dump(), "rollout": rollout}
     return build_config(base, overrides=overrides, source="compare")
 
 

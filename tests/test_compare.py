@@ -425,3 +425,21 @@ def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
         assert not evalcache.store("k", [r], 1.0) and evalcache.load("k", ["t"]) is None
     assert evalcache.store("k", [wrong], 1.0)
     assert evalcache.load("k", ["t"])[0] == [wrong] and evalcache.load("k", ["u"]) is None
+
+
+def test_a_run_trained_with_the_episode_cut_is_evaluated_to_each_episodes_end(tiny_model_dir):
+    """rollout.end_on_ill_formed is a training rule: the settings a compare takes from
+    a run leave it out, as evaluation does."""
+    from mlx_grpo.compare import resolve_eval_config
+    from mlx_grpo.config import build_config
+    from mlx_grpo.models import ModelConfig
+    from mlx_grpo.recipe import recipe_defaults
+    from mlx_grpo.sides import Side
+
+    trained = build_config(
+        recipe_defaults(str(TOY_ENV)), overrides={"rollout": {"end_on_ill_formed": True}}
+    )
+    side = Side("b", "run", ModelConfig(path=str(tiny_model_dir)), run_config=trained)
+    cfg = resolve_eval_config(None, {}, [side])
+    assert trained.rollout.end_on_ill_formed and not cfg.rollout.end_on_ill_formed
+    assert cfg.rollout.max_turns == trained.rollout.max_turns == 3
