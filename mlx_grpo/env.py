@@ -54,6 +54,12 @@ class Episode:
         return len(self.actions)
 
 
+def ill_formed(result: StepResult) -> bool:
+    """Whether the environment marked this step's reply ill-formed (`info["format"]` is
+    False; an environment that does not judge format marks nothing)."""
+    return result.info.get("format") is False
+
+
 def turn_spans(loss_mask) -> list[tuple[int, int]]:
     """[start, end) of each reply in an episode's tokens: the runs of its loss mask
     (the model's tokens, between the environment's).

@@ -27,7 +27,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.decode import CompiledDecoder, supported
-from mlx_grpo.env import Env, Episode, turn_spans
+from mlx_grpo.env import Env, Episode, ill_formed, turn_spans
 from mlx_grpo.models import adapters_folded
 
 
@@ -64,7 +64,7 @@ def ill_formed_turns(c: Completion) -> list[tuple[int, int]]:
         return []
     spans = turn_spans(c.loss_mask)
     results = c.episode.results[len(c.episode.results) - len(spans) :]
-    return [span for span, r in zip(spans, results) if r.info.get("format") is False]
+    return [span for span, r in zip(spans, results) if ill_formed(r)]
 
 
 @dataclass
@@ -583,7 +583,7 @@ def take_turn(
     if result.done:
         episode.done = True
         return None, reason, seconds
-    if cfg.end_on_ill_formed and result.info.get("format") is False:
+    if cfg.end_on_ill_formed and ill_formed(result):
         return None, "ill_formed", seconds
     if turn + 1 == cfg.max_turns:
         return None, "length", seconds

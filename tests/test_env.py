@@ -241,9 +241,10 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
 
 
 def test_a_run_that_ends_episodes_at_ill_formed_replies_logs_how_many(tiny_model_dir, tmp_path):
-    """The tiny model's replies are 6 characters, all ill-formed for toy_env: under
-    rollout.end_on_ill_formed every episode is one reply long, and those of tasks with
-    more turns are the ones the rule ended."""
+    """Every reply of this seeded run is 4 characters or more (the tiny model rarely
+    draws its EOS early), so ill-formed for toy_env: under rollout.end_on_ill_formed
+    every episode is one reply long, and those of tasks with more turns are the ones
+    the rule ended."""
     args = [
         "--recipe",
         str(TOY_ENV),
