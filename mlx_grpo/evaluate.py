@@ -16,8 +16,6 @@ from mlx_grpo.durable import append_record
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.rollout import GreedySampler, make_rollout_sampler, rollout_tasks
 
-MAX_EPISODES = 64  # multi-turn episodes rolled out together (their caches add up)
-
 
 @dataclass
 class TaskResult:
@@ -59,9 +57,6 @@ def evaluate(
     model.eval()
     mx.random.seed(seed)
     out: list[TaskResult] = []
-    if recipe.multi_turn:
-        # Every episode keeps its own KV cache between turns: bound how many are in flight.
-        batch_tasks = max(1, min(batch_tasks, MAX_EPISODES // samples))
     for lo in range(0, len(tasks), batch_tasks):
         chunk = tasks[lo : lo + batch_tasks]
         rollout = rollout_tasks(model, tokenizer, recipe, chunk, samples, cfg, sampler)

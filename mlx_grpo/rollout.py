@@ -15,7 +15,8 @@ its group's shared prompt cache.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 
 import mlx.core as mx
@@ -616,12 +617,45 @@ def rollout_tasks(
 
     `starts[i]` (multi-turn) are replies played in task i's environments before its
     group samples: the prompt shows them as earlier turns with the environment's
-    answers, so the group plays on from that state (`grpo.demo_starts`)."""
-    args = (model, tokenizer, recipe, tasks, group_size, cfg, sampler, starts)
-    if cfg.fold_adapters:
-        with adapters_folded(model):
-            return _rollout_tasks(*args)
-    return _rollout_tasks(*args)
+    answers, so the group plays on from that state (`grpo.demo_starts`).
+
+    At most `cfg.max_in_flight` samples are played at once: more tasks are played in
+    batches of whole groups, one after another, and joined into one Rollout."""
+    per = max(1, cfg.max_in_flight // group_size)  # tasks a batch
+    parts = []
+    with adapters_folded(model) if cfg.fold_adapters else nullcontext():
+        for lo in range(0, len(tasks), per):
+            hi = min(lo + per, len(tasks))
+            rows = (
+                sampler[lo * group_size : hi * group_size] if isinstance(sampler, list) else sampler
+            )
+            part_starts = starts[lo:hi] if starts else None
+            parts.append(
+                _rollout_tasks(
+                    model, tokenizer, recipe, tasks[lo:hi], group_size, cfg, rows, part_starts
+                )
+            )
+    return join_rollouts(parts)
+
+
+def join_rollouts(parts: list[Rollout]) -> Rollout:
+    """Rollouts of consecutive task batches as one: prompts in order, each completion's
+    `prompt_index` shifted by the prompts before its part, times added up."""
+    if len(parts) == 1:
+        return parts[0]
+    prompts, completions, offset = [], [], 0
+    for part in parts:
+        prompts += part.prompts
+        completions += [replace(c, prompt_index=c.prompt_index + offset) for c in part.completions]
+        offset += len(part.prompts)
+    return Rollout(
+        prompts=prompts,
+        completions=completions,
+        group_size=parts[0].group_size,
+        seconds=sum(p.seconds for p in parts),
+        prefill_seconds=sum(p.prefill_seconds for p in parts),
+        env_seconds=sum(p.env_seconds for p in parts),
+    )
 
 
 def play_prefix(

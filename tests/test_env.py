@@ -319,3 +319,37 @@ def test_a_reply_ends_at_its_first_line_break_under_stop_at_newline(tiny):
     (c,) = rollout_tasks(model, tok, recipe, tasks, 1, cfg, sampler=alternate).completions
     assert len(c.episode.actions) == 3
     assert all(a.count("\n") == 3 for a in c.episode.actions)
+
+
+def test_a_step_beyond_max_in_flight_plays_in_batches_of_whole_groups(tiny, monkeypatch):
+    """Six tasks of four episodes with at most eight in flight: three batches of two
+    whole groups, never more than eight episodes at once, and with per-episode keys
+    the same episodes, in the same order and owners, as all 24 in one batch."""
+    import mlx_grpo.rollout as rollout_mod
+    from mlx_grpo.rollout import keyed_samplers
+
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = recipe.tasks("train", 6, 0)
+    cfg = RolloutConfig(max_new_tokens=6, max_turns=3, temperature=1.0)
+    keys = mx.random.split(mx.random.key(5), 24)
+    whole = rollout_tasks(model, tok, recipe, tasks, 4, cfg, keyed_samplers(cfg, keys))
+
+    in_flight = []
+    play = rollout_mod.play_episodes
+
+    def counted(model, tokenizer, prompts, envs, *args, **kw):
+        in_flight.append(len(envs))
+        return play(model, tokenizer, prompts, envs, *args, **kw)
+
+    monkeypatch.setattr(rollout_mod, "play_episodes", counted)
+    small = cfg.model_copy(update={"max_in_flight": 8})
+    parts = rollout_tasks(model, tok, recipe, tasks, 4, small, keyed_samplers(small, keys))
+    assert in_flight == [8, 8, 8]
+    assert len(parts.prompts) == 6 and parts.prompts == whole.prompts
+    assert [c.prompt_index for c in parts.completions] == [i // 4 for i in range(24)]
+    assert [c.tokens for c in parts.completions] == [c.tokens for c in whole.completions]
+    assert [c.episode.actions for c in parts.completions] == [
+        c.episode.actions for c in whole.completions
+    ]
+    assert len({tuple(c.tokens) for c in whole.completions}) > 12  # temperature samples
