@@ -621,6 +621,8 @@ def rollout_tasks(
 
     At most `cfg.max_in_flight` samples are played at once: more tasks are played in
     batches of whole groups, one after another, and joined into one Rollout."""
+    if not tasks:
+        raise ValueError("rollout_tasks: no tasks")
     per = max(1, cfg.max_in_flight // group_size)  # tasks a batch
     parts = []
     with adapters_folded(model) if cfg.fold_adapters else nullcontext():
