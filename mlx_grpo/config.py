@@ -91,7 +91,7 @@ class RolloutConfig(_Section):
         description="Most episodes (multi-turn) or completions played at once: a step's "
         "groups beyond it are played one batch after another, whole groups at a time. "
         "Every episode keeps its own KV cache, so memory grows with this, not with the "
-        "step's group count (web_browsing: up to 10.6 GB peak at 32 episodes; 96 at once "
+        "step's group count (web_browsing: 6.5-12.0 GB peak a step at 32 episodes; 96 at once "
         "ran a 24 GB machine out of memory).",
     )
     stop_at_newline: bool = Field(
