@@ -132,14 +132,26 @@ class CompiledDecoder:
         )
         pos = mx.array(p_end)
         if r_max:  # the tails but their last tokens, right-aligned at column L (eagerly)
-            rows = [[0] * (r_max - r) + t[:-1] for t, r in zip(tails, rests)]
+            # Rows with a one-token tail (a turn's first row, or rows whose answer
+            # `share_tails` prefilled) have nothing to prefill: only the others run.
+            need = [j for j, r in enumerate(rests) if r]
+            sub = mx.array(need) if len(need) < b else None
+            pick = (lambda x: x) if sub is None else (lambda x: x[sub])  # noqa: E731
+            rows = [[0] * (r_max - rests[j]) + tails[j][:-1] for j in need]
+            part = tuple(pick(m) if m.ndim else m for m in meta)
             cache = [
-                StaticCache(layers[2 * i], layers[2 * i + 1], pos, *meta) for i in range(n_layers)
+                StaticCache(pick(layers[2 * i]), pick(layers[2 * i + 1]), pos, *part)
+                for i in range(n_layers)
             ]
             model(mx.array(rows), cache=cache)
-            layers = [a for c in cache for a in (c.keys, c.values)]
+            filled = [a for c in cache for a in (c.keys, c.values)]
+            if sub is None:
+                layers = filled
+            else:
+                for x, y in zip(layers, filled):
+                    x[sub] = y
             pos = cache[0].pos
-            del cache
+            del cache, filled
         step = self._step(samplers[0], n_layers)
         keys = mx.stack([s.key for s in samplers])
         tokens = mx.array([t[-1] for t in tails])

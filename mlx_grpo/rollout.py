@@ -78,6 +78,7 @@ class Rollout:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     env_seconds: float = 0.0  # in the environments' reset and step (multi-turn), within seconds
+    shared_tail_tokens: int = 0  # prefill saved by episodes that played alike (`share_tails`)
 
     @property
     def generated_tokens(self) -> int:
@@ -504,9 +505,10 @@ def play_episodes(
     tails = [[prompts[owners[i]][-1]] for i in range(n)]
     state = [caches[owners[i]] for i in range(n)]
     live = list(range(n))
-    env_s = 0.0
+    env_s, shared_tokens = 0.0, 0
     try:
         for turn in range(cfg.max_turns):
+            shared_tokens += share_tails(model, live, owners, history, tails, state)
             sampled = _decode(
                 model,
                 tokenizer,
@@ -554,7 +556,46 @@ def play_episodes(
         seconds=time.perf_counter() - tic,
         prefill_seconds=prefill_s,
         env_seconds=env_s,
+        shared_tail_tokens=shared_tokens,
     )
+
+
+def share_tails(
+    model: nn.Module,
+    live: list[int],
+    owners: list[int],
+    history: list[list[int]],
+    tails: list[list[int]],
+    state: list[list],
+) -> int:
+    """Live episodes of one group that have played the same tokens so far hold the same
+    cache and feed the same tail (the environment's answer): that tail but its last token
+    is prefilled once, on a copy of their cache, and each of them feeds only the last
+    token. A policy that has grown sure of itself plays most of a group's episodes alike,
+    so most of a turn's prefill is the same answer, once per episode, without this.
+    Updates `tails` and `state` in place; returns the prefill tokens saved. Caches other
+    than plain `KVCache`s are left as they are."""
+    alike: dict[tuple, list[int]] = {}
+    for i in live:
+        if len(tails[i]) > 1:
+            alike.setdefault((owners[i], tuple(history[i])), []).append(i)
+    saved = 0
+    for rows in alike.values():
+        first = rows[0]
+        if len(rows) < 2 or any(type(c) is not KVCache for c in state[first]):
+            continue
+        cache = []
+        for c in state[first]:  # slices are new arrays: the prefill never writes into `c`
+            own = KVCache()
+            own.keys, own.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            own.offset = c.offset
+            cache.append(own)
+        model(mx.array(tails[first][:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        saved += (len(rows) - 1) * (len(tails[first]) - 1)
+        for i in rows:
+            state[i], tails[i] = cache, tails[i][-1:]
+    return saved
 
 
 def take_turn(
@@ -657,6 +698,7 @@ def join_rollouts(parts: list[Rollout]) -> Rollout:
         seconds=sum(p.seconds for p in parts),
         prefill_seconds=sum(p.prefill_seconds for p in parts),
         env_seconds=sum(p.env_seconds for p in parts),
+        shared_tail_tokens=sum(p.shared_tail_tokens for p in parts),
     )
 
 

@@ -668,6 +668,7 @@ def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> di
         "tokens": rollout.generated_tokens,
         "seconds": rollout.seconds,
         "env_seconds": rollout.env_seconds,
+        "shared_tail_tokens": rollout.shared_tail_tokens,
     }
 
 
@@ -855,6 +856,8 @@ def _step_metrics(
     env_s = max(sh.get("env_seconds", 0.0) for sh in shares)
     if env_s:  # multi-turn: the environments' part of the rollout
         out["time/env_s"] = env_s
+        # Prefill saved by episodes of a group that played alike (rollout.share_tails).
+        out["rollout/shared_tail_tokens"] = sum(sh.get("shared_tail_tokens", 0) for sh in shares)
     turns = [r.turns for r in records if r.turns is not None]
     if turns:
         out["episode/turns_mean"] = float(np.mean(turns))

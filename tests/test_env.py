@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import RolloutConfig
@@ -353,3 +354,45 @@ def test_a_step_beyond_max_in_flight_plays_in_batches_of_whole_groups(tiny, monk
         c.episode.actions for c in whole.completions
     ]
     assert len({tuple(c.tokens) for c in whole.completions}) > 12  # temperature samples
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_episodes_that_played_alike_share_their_tail_prefill(tiny, monkeypatch, compile_decode):
+    """Within a group, two episodes drawn from the same key play the same turns: their
+    environment's answers are prefilled once (share_tails). The episodes are the ones
+    played with every tail prefilled per episode, token for token, and the model
+    processes at least the saved tokens fewer."""
+    import mlx_grpo.rollout as rollout_mod
+    from mlx_grpo.rollout import keyed_samplers
+
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = [t for t in recipe.tasks("train", 6, 0) if t.payload["turns"] == 3]
+    cfg = RolloutConfig(
+        max_new_tokens=3, max_turns=3, temperature=1.0, compile_decode=compile_decode
+    )
+    keys = mx.random.split(mx.random.key(3), 4 * len(tasks))
+    keys = mx.concatenate([keys[:1], keys[:1], keys[2:]])  # episodes 0 and 1: one key
+
+    fed = []
+    forward = type(model).__call__
+
+    def counted(self, inputs, *args, **kw):
+        fed.append(inputs.size)
+        return forward(self, inputs, *args, **kw)
+
+    monkeypatch.setattr(type(model), "__call__", counted)
+    shared = rollout_tasks(model, tok, recipe, tasks, 4, cfg, keyed_samplers(cfg, keys))
+    fed_shared = sum(fed)
+    fed.clear()
+    monkeypatch.setattr(rollout_mod, "share_tails", lambda *a: 0)
+    each = rollout_tasks(model, tok, recipe, tasks, 4, cfg, keyed_samplers(cfg, keys))
+    assert each.shared_tail_tokens == 0
+    # Episodes 0 and 1 play all three turns alike: two answers of several tokens shared.
+    assert shared.completions[0].tokens == shared.completions[1].tokens
+    assert shared.completions[0].episode.turns == 3
+    assert shared.shared_tail_tokens >= 2 * 2
+    assert [c.tokens for c in shared.completions] == [c.tokens for c in each.completions]
+    assert [c.loss_mask for c in shared.completions] == [c.loss_mask for c in each.completions]
+    if not compile_decode:  # (a compiled step calls the model only while tracing)
+        assert sum(fed) - fed_shared >= shared.shared_tail_tokens
