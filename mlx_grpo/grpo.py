@@ -112,7 +112,9 @@ class LossInputs:
 
     prompts: list[mx.array]  # B prompts, 1-D token arrays
     completions: mx.array  # [N, C] sampled tokens, groups contiguous, right-padded
-    mask: mx.array  # [N, C] float: 1 on completion tokens that enter the loss
+    # [N, C] float: 1 on completion tokens that enter the loss; k on those of the first
+    # of k alike rows of a group, 0 on the others (`trainer.fold_alike_rows`)
+    mask: mx.array
     advantages: mx.array  # [N]
     old_logprobs: mx.array | None  # [N, C]; None: the current policy (num_iterations=1)
     ref_logprobs: mx.array | None  # [N, C]; None when beta == 0
@@ -252,8 +254,8 @@ def aggregate(
     is one rank's share of a larger one: the ranks' results then sum to the loss of
     the whole batch. `weights`: `turn_weights(mask)` when already computed.
     """
-    if loss_type == "grpo":
-        per_seq = (values * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
+    if loss_type == "grpo":  # (a row's token count: a mask may weigh a row k times)
+        per_seq = (values * mask).sum(axis=1) / mx.maximum((mask > 0).sum(axis=1), 1.0)
         return per_seq.mean() if total_rows is None else per_seq.sum() / total_rows
     if loss_type == "dr_grpo":
         rows = mask.shape[0] if total_rows is None else total_rows
@@ -354,7 +356,9 @@ def objective(
     loss = aggregate(tok_loss, mask, *counts)
     if level == "sequence":  # one ratio per completion: means over completions, as TRL's
         rows = mask.shape[0] if batch.total_rows is None else batch.total_rows
-        clip_frac, ratio_mean = clipped.astype(mx.float32).sum() / rows, ratio.sum() / rows
+        w = mask.max(axis=1, keepdims=True)  # a row's weight (1, k for alike rows, 0)
+        clip_frac = (clipped.astype(mx.float32) * w).sum() / rows
+        ratio_mean = (ratio * w).sum() / rows
     else:
         clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)
         ratio_mean = masked_mean(ratio, mask, tokens)
