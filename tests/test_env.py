@@ -72,9 +72,11 @@ def test_episodes_render_exactly_the_chat_template(tiny):
 
     batch = build_loss_inputs(rollout, mx.zeros(24), 18, False)
     mask = np.array(batch.mask)
+    weight = mask.max(axis=1)  # alike episodes of a group fold into one row (fold_alike_rows)
     for i, c in enumerate(rollout.completions):
-        assert mask[i, : len(c.tokens)].tolist() == c.loss_mask
+        assert mask[i, : len(c.tokens)].tolist() == [weight[i] * m for m in c.loss_mask]
         assert not mask[i, len(c.tokens) :].any()
+    assert weight.reshape(6, 4).sum(axis=1).tolist() == [4.0] * 6  # each episode once
     assert 0 < mask.sum() < sum(len(c.tokens) for c in rollout.completions)
 
 
