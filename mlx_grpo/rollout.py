@@ -272,6 +272,17 @@ def _prefill(model: nn.Module, prompt: list[int]) -> list:
     return cache
 
 
+def cache_prefix(cache: list[KVCache], n: int) -> list[KVCache]:
+    """New plain KV caches holding the first `n` positions of `cache`'s layers. Their
+    keys and values are slices, new arrays: a prefill on top never writes into `cache`."""
+    out = []
+    for c in cache:
+        own = KVCache()
+        own.keys, own.values, own.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+        out.append(own)
+    return out
+
+
 MIN_SHARED_PREFIX = 32  # tokens; below this, prefill each prompt whole
 
 
@@ -294,9 +305,7 @@ def prefill_prompts(model: nn.Module, prompts: list[list[int]]) -> list[list]:
     mx.eval([c.state for c in base])
     caches = []
     for head in heads:
-        cache = make_prompt_cache(model)
-        for c, b in zip(cache, base):  # slices are new arrays: writes never reach `base`
-            c.keys, c.values, c.offset = b.keys[..., :common, :], b.values[..., :common, :], common
+        cache = cache_prefix(base, common)
         if len(head) > common:
             model(mx.array(head[common:])[None], cache=cache)
         mx.eval([c.state for c in cache])
@@ -584,12 +593,7 @@ def share_tails(
         first = rows[0]
         if len(rows) < 2 or any(type(c) is not KVCache for c in state[first]):
             continue
-        cache = []
-        for c in state[first]:  # slices are new arrays: the prefill never writes into `c`
-            own = KVCache()
-            own.keys, own.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-            own.offset = c.offset
-            cache.append(own)
+        cache = cache_prefix(state[first], state[first][0].offset)
         model(mx.array(tails[first][:-1])[None], cache=cache)
         mx.eval([c.state for c in cache])
         saved += (len(rows) - 1) * (len(tails[first]) - 1)
