@@ -358,7 +358,10 @@ def objective(
         rows = mask.shape[0] if batch.total_rows is None else batch.total_rows
         w = mask.max(axis=1, keepdims=True)  # a row's weight (1, k for alike rows, 0)
         clip_frac = (clipped.astype(mx.float32) * w).sum() / rows
-        ratio_mean = (ratio * w).sum() / rows
+        # A row with no loss tokens has ratio 1 (as in TRL); a folded row's share is in
+        # the weight of the row it folded into, so the empty rows of the batch number
+        # its rows less the weights.
+        ratio_mean = ((ratio * w).sum() + mask.shape[0] - w.sum()) / rows
     else:
         clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)
         ratio_mean = masked_mean(ratio, mask, tokens)

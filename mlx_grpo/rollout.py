@@ -581,7 +581,9 @@ def share_tails(
     cache and feed the same tail (the environment's answer): that tail but its last token
     is prefilled once, on a copy of their cache, and each of them feeds only the last
     token. A policy that has grown sure of itself plays most of a group's episodes alike,
-    so most of a turn's prefill is the same answer, once per episode, without this.
+    so most of a turn's prefill is the same answer, once per episode, without this. The
+    one-row prefill gives each episode what its own (batched) prefill would, up to float32
+    rounding, so a near-tie draw can come out otherwise, as between the two decode paths.
     Updates `tails` and `state` in place; returns the prefill tokens saved. Caches other
     than plain `KVCache`s are left as they are."""
     alike: dict[tuple, list[int]] = {}

@@ -120,6 +120,7 @@ def build_loss_inputs(
     groups: list[int] | None = None,
     silent: frozenset[int] = frozenset(),
     reinforce_ill_formed: bool = True,
+    fold: bool = True,
 ) -> LossInputs:
     """The prompts of `groups` (default: all), their right-padded [N, C] completions
     and the loss mask (the model's own tokens; never the environment's). The rows in
@@ -127,7 +128,9 @@ def build_loss_inputs(
     they add nothing to the loss and cost nothing in its passes (`effective_lengths`),
     but count in its divisors. Without `reinforce_ill_formed`, the replies its
     environment marked ill-formed (`ill_formed_turns`) leave the mask of an episode with
-    a positive advantage; `withheld_turns` counts them."""
+    a positive advantage; `withheld_turns` counts them. With `fold`, a group's alike
+    rows fold into one (`fold_alike_rows`); off where rows must stay apart (LoRA
+    dropout draws a mask per row)."""
     g = rollout.group_size
     groups = list(range(len(rollout.prompts))) if groups is None else groups
     rows = [gi * g + j for gi in groups for j in range(g)]
@@ -144,7 +147,8 @@ def build_loss_inputs(
     for i, (lo, hi) in withheld:
         mask[i, lo:hi] = 0.0
     demos = [float(c.demonstration) for c in comps]
-    fold_alike_rows(tokens, mask, np.array(adv), demos, g)
+    if fold:
+        fold_alike_rows(tokens, mask, np.array(adv), demos, g)
     return LossInputs(
         prompts=[mx.array(rollout.prompts[gi]) for gi in groups],
         completions=mx.array(tokens),
@@ -164,7 +168,8 @@ def fold_alike_rows(
     and kind) add the same terms to the loss: the first of k alike rows takes a mask of
     k on its loss tokens and the others an empty one, in place. Every reduction of the
     loss and its metrics weighs a token by its mask, so loss and gradients are those of
-    the k rows up to float32 rounding, and the k - 1 empty rows cost nothing in the
+    the k rows up to float32 rounding (without LoRA dropout, which would draw k
+    masks), and the k - 1 empty rows cost nothing in the
     reference and policy passes (`effective_lengths`); they still count as rows in the
     divisors. A policy that has grown sure of itself samples most of a group alike.
     Returns the rows emptied.
@@ -484,6 +489,7 @@ def train(
                         local,
                         silent,
                         cfg.grpo.reinforce_ill_formed,
+                        fold=cfg.lora.dropout == 0,
                     )
                     batch.entropy_coef, batch.beta = entropy_coef, beta
                 it_metrics, delta, sync_s = update_step(

@@ -478,31 +478,42 @@ def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss
 def test_folded_alike_rows_give_the_loss_metrics_and_gradient_of_every_row(tiny, loss_type, level):
     """trainer.fold_alike_rows: a group's alike rows (the same episode) folded into one
     row of mask k give the loss, metrics and gradient of all of them, under every loss
-    type; rows that differ in a token, the mask or the advantage are not folded."""
+    type; rows that differ in a token, the mask, the advantage or the kind (a
+    demonstration) are not folded, and an empty row stays empty."""
     from mlx_grpo.dist import Dist
+    from mlx_grpo.logprobs import completion_logprobs
     from mlx_grpo.trainer import fold_alike_rows, policy_gradient
 
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model, seed=1)
     rng = np.random.default_rng(4)
-    prompts = [mx.array(rng.integers(3, 200, p).tolist()) for p in (4, 7)]
+    prompts = [mx.array(rng.integers(3, 200, p).tolist()) for p in (4, 7, 5)]
     g, c = 4, 9
-    comp = rng.integers(3, 200, (2 * g, c)).astype(np.int32)
-    mask = np.zeros((2 * g, c), np.float32)
-    for i, n in enumerate([9, 5, 7, 3, 8, 8, 8, 8]):
+    comp = rng.integers(3, 200, (3 * g, c)).astype(np.int32)
+    mask = np.zeros((3 * g, c), np.float32)
+    for i, n in enumerate([9, 5, 7, 3, 8, 8, 8, 8, 6, 6, 6, 6]):
         mask[i, :n] = rng.random(n) < 0.7
         mask[i, n - 1] = 1.0
-    adv = rng.normal(size=2 * g).astype(np.float32)
-    old = rng.normal(-5, 1, (2 * g, c)).astype(np.float32)
-    ref = rng.normal(-5, 1, (2 * g, c)).astype(np.float32)
+    adv = rng.normal(size=3 * g).astype(np.float32)
+    old = rng.normal(-5, 1, (3 * g, c)).astype(np.float32)
+    ref = rng.normal(-5, 1, (3 * g, c)).astype(np.float32)
     adv[0], old[0] = abs(adv[0]) + 0.1, old[0] - 2.0  # row 0 clipped, token and sequence
-    for i in (1, 3):  # group 0: rows 0, 1, 3 alike
-        comp[i], mask[i], adv[i], old[i], ref[i] = comp[0], mask[0], adv[0], old[0], ref[0]
+
+    def same(i, j):
+        comp[i], mask[i], adv[i], old[i], ref[i] = comp[j], mask[j], adv[j], old[j], ref[j]
+
+    for i in (1, 2, 3):  # group 0: rows 0, 1, 3 alike; 2 another mask
+        same(i, 0)
+    mask[2, 1] = 1.0 - mask[2, 1]
     for i in (5, 6, 7):  # group 1: 4, 5 alike; 6 another token; 7 another advantage
-        comp[i], mask[i], adv[i], old[i], ref[i] = comp[4], mask[4], adv[4], old[4], ref[4]
+        same(i, 4)
     comp[6, 2] += 1
     adv[7] += 0.5
+    for i in (9, 10):  # group 2: 8, 9 alike; 10 a demonstration; 11 empty
+        same(i, 8)
+    mask[11] = 0.0
+    demos = [0.0] * 10 + [1.0, 0.0]
     cfg = GRPOConfig(
         beta=0.04, loss_type=loss_type, epsilon_high=0.28, importance_sampling_level=level
     )
@@ -517,8 +528,8 @@ def test_folded_alike_rows_give_the_loss_metrics_and_gradient_of_every_row(tiny,
 
     whole, g_whole = update(mask)
     folded_mask = mask.copy()
-    assert fold_alike_rows(comp, folded_mask, adv, [0.0] * 8, g) == 3
-    assert folded_mask.max(axis=1).tolist() == [3, 0, 1, 0, 2, 0, 1, 1]
+    assert fold_alike_rows(comp, folded_mask, adv, demos, g) == 4
+    assert folded_mask.max(axis=1).tolist() == [3, 0, 1, 0, 2, 0, 1, 1, 2, 0, 1, 0]
     folded, g_folded = update(folded_mask)
     assert whole["clip/frac"] > 0
     n = tiny_additions(vars(model.args))
@@ -526,6 +537,12 @@ def test_folded_alike_rows_give_the_loss_metrics_and_gradient_of_every_row(tiny,
         assert_f32_close(folded[k], whole[k], n, k)
     for k in g_whole:
         assert_f32_close(g_folded[k], g_whole[k], n, k)
+    if level == "sequence":  # TRL's mean over completions, an empty one at ratio 1
+        logp = np.array(completion_logprobs(model, prompts, mx.array(comp))[0], np.float64)
+        tokens = mask.sum(axis=1)
+        log_ratio = ((logp - old) * mask).sum(axis=1) / np.maximum(tokens, 1)
+        expected = np.where(tokens > 0, np.exp(log_ratio), 1.0).mean()
+        assert_f32_close(folded["ratio/mean"], expected, n, "ratio/mean")
 
 
 # ---------------------------------------------------------------- LoRA and the reference
