@@ -241,6 +241,17 @@ class GRPOConfig(_Section):
         "first action it finds); in an episode pushed down it stays. Logged as "
         "turns/withheld.",
     )
+    blame_replies: Literal["all", "compared"] = Field(
+        "all",
+        description="Multi-turn: which replies of an episode with a negative advantage "
+        "the update pushes down. all: every reply. compared: only those played from a "
+        "state (the same tokens so far) from which an episode of the group with a "
+        "positive advantage played on; a reply in a state that only below-average "
+        "episodes reached leaves the loss, since nothing there says another action would "
+        "have done better (after a wrong first action every later one fails, and pushing "
+        "them all down leaves the policy unsure, so it writes prose, in such states). "
+        "Logged as turns/uncompared.",
+    )
     skip_zero_variance_groups: bool = Field(
         True,
         description="Leave groups whose rewards are all equal out of the update: their "

@@ -31,6 +31,7 @@ from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.dist import Dist
 from mlx_grpo.durable import FULL_DISK, cut_jsonl, write_atomic
+from mlx_grpo.env import turn_spans
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
@@ -121,6 +122,7 @@ def build_loss_inputs(
     silent: frozenset[int] = frozenset(),
     reinforce_ill_formed: bool = True,
     fold: bool = True,
+    blame_replies: str = "all",
 ) -> LossInputs:
     """The prompts of `groups` (default: all), their right-padded [N, C] completions
     and the loss mask (the model's own tokens; never the environment's). The rows in
@@ -128,7 +130,9 @@ def build_loss_inputs(
     they add nothing to the loss and cost nothing in its passes (`effective_lengths`),
     but count in its divisors. Without `reinforce_ill_formed`, the replies its
     environment marked ill-formed (`ill_formed_turns`) leave the mask of an episode with
-    a positive advantage; `withheld_turns` counts them. With `fold`, a group's alike
+    a positive advantage; `withheld_turns` counts them. With `blame_replies="compared"`,
+    the replies of a below-average episode that `uncompared_turns` finds leave its
+    mask. With `fold`, a group's alike
     rows fold into one (`fold_alike_rows`); off where rows must stay apart (LoRA
     dropout draws a mask per row)."""
     g = rollout.group_size
@@ -137,6 +141,8 @@ def build_loss_inputs(
     comps = [rollout.completions[r] for r in rows]
     adv = advantages[mx.array(rows)] if len(rows) != advantages.size else advantages
     withheld = [] if reinforce_ill_formed else withheld_turns(comps, np.array(adv))
+    if blame_replies == "compared":
+        withheld += uncompared_turns(comps, np.array(adv), g)
     c_max = max(len(c.tokens) for c in comps)
     tokens = np.zeros((len(comps), c_max), dtype=np.int32)
     mask = np.zeros((len(comps), c_max), dtype=np.float32)
@@ -192,6 +198,35 @@ def fold_alike_rows(
             else:
                 first[key] = i
     return folded
+
+
+def uncompared_turns(
+    comps: list[Completion], advantages: np.ndarray, group_size: int
+) -> list[tuple[int, tuple]]:
+    """(row, [start, end)) of each reply of a below-average episode (negative advantage)
+    that no above-average episode of its group was there to be compared with: none of
+    them had played the same tokens up to the reply's start. What
+    `grpo.blame_replies="compared"` leaves out of the loss; a group's first replies all
+    start from its prompt, so they always stay.
+
+    >>> ok = Completion(0, [1, 2, 9, 3, 4], "", "stop", [1, 1, 0, 1, 1])
+    >>> near = Completion(0, [1, 2, 9, 5, 6], "", "stop", [1, 1, 0, 1, 1])
+    >>> lost = Completion(0, [7, 8, 9, 5, 6], "", "stop", [1, 1, 0, 1, 1])
+    >>> uncompared_turns([ok, near, lost], np.array([1.0, -0.5, -0.5]), 3)
+    [(2, (3, 5))]
+    """
+    out = []
+    for lo in range(0, len(comps), group_size):
+        rows = range(lo, lo + group_size)
+        ahead = [comps[r].tokens for r in rows if advantages[r] > 0]
+        for r in rows:
+            c = comps[r]
+            if advantages[r] >= 0 or c.loss_mask is None:
+                continue
+            for start, end in turn_spans(c.loss_mask):
+                if not any(t[:start] == c.tokens[:start] for t in ahead if len(t) > start):
+                    out.append((r, (start, end)))
+    return out
 
 
 def withheld_turns(comps: list[Completion], advantages: np.ndarray) -> list[tuple[int, tuple]]:
@@ -490,6 +525,7 @@ def train(
                         silent,
                         cfg.grpo.reinforce_ill_formed,
                         fold=cfg.lora.dropout == 0,
+                        blame_replies=cfg.grpo.blame_replies,
                     )
                     batch.entropy_coef, batch.beta = entropy_coef, beta
                 it_metrics, delta, sync_s = update_step(
@@ -525,6 +561,12 @@ def train(
                     for r in range(gi * g, (gi + 1) * g)
                     if adv[r] > 0
                 )
+            if cfg.grpo.blame_replies == "compared" and train_groups:
+                # (this rank's groups)
+                rows = [gi * g + j for gi in local for j in range(g)]
+                adv = np.array(advantages[mine.start * g : mine.stop * g])
+                comps = [rollout.completions[r] for r in rows]
+                metrics["turns/uncompared"] = len(uncompared_turns(comps, adv[rows], g))
             if cfg.rollout.end_on_ill_formed and records[0].turns is not None:
                 metrics["episodes/ended_ill_formed"] = float(
                     np.mean([r.ended_ill_formed for r in records])

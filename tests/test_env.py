@@ -398,3 +398,43 @@ def test_episodes_that_played_alike_share_their_tail_prefill(tiny, monkeypatch, 
     assert [c.loss_mask for c in shared.completions] == [c.loss_mask for c in each.completions]
     if not compile_decode:  # (a compiled step calls the model only while tracing)
         assert sum(fed) - fed_shared >= shared.shared_tail_tokens
+
+
+def test_a_below_average_episode_keeps_only_the_replies_an_above_average_one_was_there_for(
+    tiny,
+):
+    """grpo.blame_replies="compared": a reply of an episode with a negative advantage
+    stays in the loss only if an episode of its group with a positive advantage made the
+    same earlier moves and played on from there; the reference here reads the episodes'
+    actions, not their tokens. Episodes with a positive advantage keep every reply."""
+    import copy
+
+    from mlx_grpo.trainer import uncompared_turns
+
+    _, _, rollout = _toy_episodes(*tiny)
+    comps = rollout.completions
+    # Task 2 (three turns): row 9 makes row 8's first two moves, then another last one.
+    twin = copy.deepcopy(comps[8])
+    a, b = _runs(twin.loss_mask)[-1]
+    twin.tokens[a] = (twin.tokens[a] + 1) % 200
+    twin.episode.actions[-1] += " otherwise"
+    comps[9] = twin
+    signs = np.where(np.arange(24) % 4 == 0, 1.0, -1.0).astype(np.float32)  # 4k up
+    kept = np.array(build_loss_inputs(rollout, mx.array(signs), 18, False).mask)
+    cut = np.array(
+        build_loss_inputs(rollout, mx.array(signs), 18, False, blame_replies="compared").mask
+    )
+    left_out = 0
+    for i, c in enumerate(comps):
+        expected = kept[i].copy()
+        ups = [comps[j].episode.actions for j in range(i - i % 4, i - i % 4 + 4) if signs[j] > 0]
+        acts = c.episode.actions
+        for k, (lo, hi) in enumerate(_runs(c.loss_mask)):
+            seen = any(u[:k] == acts[:k] and len(u) > k for u in ups)
+            if signs[i] < 0 and not seen:
+                expected[lo:hi] = 0.0
+                left_out += 1
+        assert cut[i].tolist() == expected.tolist(), i
+    assert left_out == len(uncompared_turns(comps, signs, 4)) > 0
+    assert cut[9].tolist() == kept[9].tolist()  # the twin keeps all three replies
+    assert any(c.episode.turns > 1 and signs[i] < 0 for i, c in enumerate(comps))
