@@ -250,7 +250,9 @@ class GRPOConfig(_Section):
         "episodes reached leaves the loss, since nothing there says another action would "
         "have done better (after a wrong first action every later one fails, and pushing "
         "them all down leaves the policy unsure, so it writes prose, in such states). "
-        "Logged as turns/uncompared.",
+        "Logged as turns/uncompared. The logged entropy is a mean over the loss mask, "
+        "so it then leaves those replies out too (web_browsing: it did not stop the "
+        "drift into prose; see its docs/experiments.md).",
     )
     skip_zero_variance_groups: bool = Field(
         True,
