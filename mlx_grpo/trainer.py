@@ -132,9 +132,8 @@ def build_loss_inputs(
     environment marked ill-formed (`ill_formed_turns`) leave the mask of an episode with
     a positive advantage; `withheld_turns` counts them. With `blame_replies="compared"`,
     the replies of a below-average episode that `uncompared_turns` finds leave its
-    mask. With `fold`, a group's alike
-    rows fold into one (`fold_alike_rows`); off where rows must stay apart (LoRA
-    dropout draws a mask per row)."""
+    mask. With `fold`, a group's alike rows fold into one (`fold_alike_rows`); off where
+    rows must stay apart (LoRA dropout draws a mask per row)."""
     g = rollout.group_size
     groups = list(range(len(rollout.prompts))) if groups is None else groups
     rows = [gi * g + j for gi in groups for j in range(g)]
@@ -175,9 +174,8 @@ def fold_alike_rows(
     k on its loss tokens and the others an empty one, in place. Every reduction of the
     loss and its metrics weighs a token by its mask, so loss and gradients are those of
     the k rows up to float32 rounding (without LoRA dropout, which would draw k
-    masks), and the k - 1 empty rows cost nothing in the
-    reference and policy passes (`effective_lengths`); they still count as rows in the
-    divisors. A policy that has grown sure of itself samples most of a group alike.
+    masks), and the k - 1 empty rows cost nothing in the reference and policy passes
+    (`effective_lengths`); they still count as rows in the divisors. A policy that has grown sure of itself samples most of a group alike.
     Returns the rows emptied.
 
     >>> t = np.array([[5, 6], [5, 6], [5, 7], [5, 6]]); m = np.ones((4, 2), np.float32)

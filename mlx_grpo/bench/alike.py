@@ -49,52 +49,56 @@ def main(argv=None) -> int:
         pool = [t for t in pool if t.level in cfg.curriculum.levels]
     pick = np.random.default_rng(7).choice(len(pool), min(args.groups, len(pool)), replace=False)
     tasks = [pool[i] for i in pick]
-    share, fold = rollout_mod.share_tails, trainer_mod.fold_alike_rows
+    share = rollout_mod.share_tails
     grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg.grpo))
-    for rep in range(args.reps):
-        for on in (False, True):
-            rollout_mod.share_tails = share if on else (lambda *a: 0)
-            trainer_mod.fold_alike_rows = fold if on else (lambda *a: 0)
-            keys = mx.random.split(mx.random.key(11 + rep), len(tasks) * g)
-            samplers = rollout_mod.keyed_samplers(cfg.rollout, keys)
-            model.eval()
-            tic = time.perf_counter()
-            rollout = rollout_mod.rollout_tasks(model, tok, recipe, tasks, g, cfg.rollout, samplers)
-            rollout_s = time.perf_counter() - tic
-            scored = recipe.score_rollout(tasks, rollout)
-            rewards = mx.array(np.array([s.reward for s in scored], np.float32))
-            advantages = group_advantages(rewards, g, cfg.grpo.scale_rewards)
-            flat = np.array(zero_variance_groups(rewards, g))
-            groups = [i for i, z in enumerate(flat) if not z][: cfg.train.batch_size]
-            if not groups:
-                raise SystemExit("no group with reward variance: try more --groups")
-            model.train()
-            tic = time.perf_counter()
-            batch = trainer_mod.build_loss_inputs(
-                rollout,
-                advantages,
-                cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
-                cfg.grpo.mask_truncated_completions,
-                groups,
-                frozenset(),
-                cfg.grpo.reinforce_ill_formed,
-            )
-            trainer_mod.reference_pass(model, batch, cfg.grpo)
-            loss, _, grads, norm, _ = trainer_mod.policy_gradient(
-                model, grad_fn, batch, Dist(), 1e9, cfg.grpo.micro_batch_tokens
-            )
-            mx.eval(loss, grads)
-            update_s = time.perf_counter() - tic
-            rows = int((np.array(batch.mask).max(axis=1) > 0).sum())
-            turns = np.mean([c.episode.turns for c in rollout.completions])
-            print(
-                f"rep {rep} {'alike once' if on else 'each     '}  rollout {rollout_s:6.1f} s  "
-                f"update {update_s:6.1f} s  ({len(groups)} groups, {rows} rows with loss "
-                f"tokens; turns {turns:.2f}; shared tail tokens {rollout.shared_tail_tokens}; "
-                f"loss {loss.item():.5f}, gradient norm {float(norm):.4f})",
-                flush=True,
-            )
-    rollout_mod.share_tails, trainer_mod.fold_alike_rows = share, fold
+    try:
+        for rep in range(args.reps):
+            for on in (False, True):
+                rollout_mod.share_tails = share if on else (lambda *a: 0)
+                keys = mx.random.split(mx.random.key(11 + rep), len(tasks) * g)
+                samplers = rollout_mod.keyed_samplers(cfg.rollout, keys)
+                model.eval()
+                tic = time.perf_counter()
+                rollout = rollout_mod.rollout_tasks(
+                    model, tok, recipe, tasks, g, cfg.rollout, samplers
+                )
+                rollout_s = time.perf_counter() - tic
+                scored = recipe.score_rollout(tasks, rollout)
+                rewards = mx.array(np.array([s.reward for s in scored], np.float32))
+                advantages = group_advantages(rewards, g, cfg.grpo.scale_rewards)
+                flat = np.array(zero_variance_groups(rewards, g))
+                groups = [i for i, z in enumerate(flat) if not z][: cfg.train.batch_size]
+                if not groups:
+                    raise SystemExit("no group with reward variance: try more --groups")
+                model.train()
+                tic = time.perf_counter()
+                batch = trainer_mod.build_loss_inputs(
+                    rollout,
+                    advantages,
+                    cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                    cfg.grpo.mask_truncated_completions,
+                    groups,
+                    frozenset(),
+                    cfg.grpo.reinforce_ill_formed,
+                    fold=on,
+                )
+                trainer_mod.reference_pass(model, batch, cfg.grpo)
+                loss, _, grads, norm, _ = trainer_mod.policy_gradient(
+                    model, grad_fn, batch, Dist(), 1e9, cfg.grpo.micro_batch_tokens
+                )
+                mx.eval(loss, grads)
+                update_s = time.perf_counter() - tic
+                rows = int((np.array(batch.mask).max(axis=1) > 0).sum())
+                turns = np.mean([c.episode.turns for c in rollout.completions])
+                print(
+                    f"rep {rep} {'alike once' if on else 'each     '}  rollout {rollout_s:6.1f} s  "
+                    f"update {update_s:6.1f} s  ({len(groups)} groups, {rows} rows with loss "
+                    f"tokens; turns {turns:.2f}; shared tail tokens {rollout.shared_tail_tokens}; "
+                    f"loss {loss.item():.5f}, gradient norm {float(norm):.4f})",
+                    flush=True,
+                )
+    finally:
+        rollout_mod.share_tails = share
     return 0
 
 
