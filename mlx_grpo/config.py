@@ -181,6 +181,18 @@ class GRPOConfig(_Section):
         gt=0,
         description="Gain of the adaptive beta: at most a 0.2 x kl_rate change a step.",
     )
+    kl_loss: Literal["k3", "k2"] = Field(
+        "k3",
+        description="The per-token KL term of the loss, on the policy's own samples. "
+        "'k3' (TRL, DeepSeek): exp(ref - logp) - (ref - logp) - 1. Its gradient is "
+        "(1 - p_ref / p) x grad logp, in expectation that of the forward KL(reference || "
+        "policy): it pushes up every sampled token the reference likes more than the "
+        "policy, without bound as p falls, so the policy is held to all of the "
+        "reference's mass, prose the base model would write included. 'k2': (logp - "
+        "ref)^2 / 2, whose gradient is in expectation that of KL(policy || reference), "
+        "the KL the objective names (Tang & Munos, 2025). The logged `kl` is the k3 "
+        "estimate under both.",
+    )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio.")
     epsilon_high: float | None = Field(
         None,

@@ -40,6 +40,10 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
 - `beta=0.04` (default): the k3 KL to the adapter-free model; 0 skips the reference
   pass. With `kl_target` beta is a controller's state (`next_beta`, Ziegler et al.
   2019): it grows while the logged KL is above the target and shrinks below it.
+- `kl_loss="k3"` (default, TRL) puts KL_it above in the loss; on the policy's own
+  samples its gradient is in expectation that of the forward KL(ref || pi), which holds
+  the policy to every token the reference would sample. "k2" puts (logp - ref)^2 / 2
+  there instead, whose expected gradient is that of KL(pi || ref). `kl` is logged as k3.
 - `epsilon_high` (DAPO clip-higher) widens the upper clip only.
 - `importance_sampling_level="sequence"` (GSPO, TRL's option) replaces rho_it by one
   ratio per completion, s_i = exp(mean_t log(pi_theta / pi_old)) over its loss tokens,
@@ -207,8 +211,13 @@ def per_token_loss(
     beta: float,
     mask: mx.array | None = None,
     level: str = "token",
+    kl_loss: str = "k3",
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Clipped surrogate + beta * k3 KL per token: (loss, kl, clipped, ratio).
+    """Clipped surrogate + beta * KL per token: (loss, kl, clipped, ratio).
+
+    `kl` is always the k3 estimate of KL(policy || reference), the logged value. The
+    loss adds beta x that (`kl_loss="k3"`) or beta x k2 = beta x (logp - ref)^2 / 2
+    (`"k2"`); see `GRPOConfig.kl_loss` for why their gradients differ.
 
     `loss` and `kl` are [N, C]. With `level="token"` the importance ratio is per token
     and `clipped` and `ratio` are [N, C]; with `level="sequence"` (GSPO) one ratio per
@@ -233,10 +242,20 @@ def per_token_loss(
     if ref_logp is not None and (isinstance(beta, mx.array) or beta > 0):
         d = ref_logp - logp
         kl = mx.exp(d) - d - 1
-        loss = loss + beta * kl
+        loss = loss + beta * kl_penalty(kl, d, kl_loss)
     else:
         kl = mx.zeros_like(logp)
     return loss, kl, is_clipped, ratio
+
+
+def kl_penalty(k3: mx.array, d: mx.array, kl_loss: str) -> mx.array:
+    """The per-token KL term the loss adds (times beta), given the k3 estimate and
+    d = ref_logp - logp: k3 itself, or k2 = d^2 / 2."""
+    if kl_loss == "k3":
+        return k3
+    if kl_loss == "k2":
+        return 0.5 * mx.square(d)
+    raise ValueError(f"kl_loss must be k3|k2, got {kl_loss!r}")
 
 
 def aggregate(
@@ -349,11 +368,24 @@ def objective(
     mask, tokens = batch.mask, batch.total_tokens
     level = cfg.importance_sampling_level
     beta = kl_weight(batch, cfg)
+    kl_loss = getattr(cfg, "kl_loss", "k3")
     tok_loss, kl, clipped, ratio = per_token_loss(
-        logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, beta, mask, level
+        logp,
+        old,
+        batch.ref_logprobs,
+        batch.advantages,
+        cfg.epsilon,
+        eps_hi,
+        beta,
+        mask,
+        level,
+        kl_loss,
     )
     counts = (cfg.loss_type, batch.max_new_tokens, batch.total_rows, tokens, weights)
     loss = aggregate(tok_loss, mask, *counts)
+    penalty = kl
+    if batch.ref_logprobs is not None and kl_loss != "k3":
+        penalty = kl_penalty(kl, batch.ref_logprobs - logp, kl_loss)
     if level == "sequence":  # one ratio per completion: means over completions, as TRL's
         rows = mask.shape[0] if batch.total_rows is None else batch.total_rows
         w = mask.max(axis=1, keepdims=True)  # a row's weight (1, k for alike rows, 0)
@@ -369,7 +401,7 @@ def objective(
     if entropy_bonus_on(cfg):  # the entropies carry a gradient (completion_logprobs)
         loss = loss - entropy_weight(batch, cfg) * mean_entropy
     metrics = {
-        "loss/policy": aggregate(tok_loss - beta * kl, mask, *counts),
+        "loss/policy": aggregate(tok_loss - beta * penalty, mask, *counts),
         "kl": masked_mean(kl, mask, tokens),
         "clip/frac": clip_frac,
         "ratio/mean": ratio_mean,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -152,10 +154,57 @@ def test_loss_and_gradient_match_numpy(loss_type, beta, level):
     assert (np.array(grad)[mask > 0] == 0).any() == (beta == 0)
 
 
+def _expected_kl_term(theta0: mx.array, ref: mx.array, beta: float, kl_loss: str):
+    """(gradient at theta0 of beta x the KL term, the logged kl), both as expectations over
+    every token of the categorical policy softmax(theta0): each token is one sample,
+    weighted by its probability, which is held fixed (on-policy sampling)."""
+    p0 = mx.softmax(theta0)
+
+    def f(theta):
+        logp = (theta - mx.logsumexp(theta))[:, None]  # [V, 1]
+        tok, kl, *_ = per_token_loss(
+            logp, mx.stop_gradient(logp), ref[:, None], mx.zeros(len(p0)), 0.2, 0.2, beta,
+            kl_loss=kl_loss,
+        )  # fmt: skip
+        return (p0 * tok[:, 0]).sum(), (p0 * kl[:, 0]).sum()
+
+    (_, kl), grad = mx.value_and_grad(f)(theta0)
+    return grad, kl
+
+
+@pytest.mark.parametrize("kl_loss", ["k3", "k2"])
+def test_the_kl_term_on_the_policys_own_samples_follows_the_gradient_of_its_kl(kl_loss):
+    """In expectation over the policy's samples, beta x the KL term's gradient is that
+    of the closed-form KL it stands for: k3's is the forward KL(ref || pi)'s, k2's the
+    reverse KL(pi || ref)'s. The logged `kl` is k3 under both, whose expectation is
+    KL(pi || ref)."""
+    rng = np.random.default_rng(7)
+    v, beta = 6, 0.5
+    theta0 = mx.array(rng.normal(0, 2, v).astype(np.float32))
+    ref = mx.array(rng.normal(0, 2, v).astype(np.float32))
+    ref = ref - mx.logsumexp(ref)
+
+    def closed_form(theta):
+        logp = theta - mx.logsumexp(theta)
+        if kl_loss == "k3":
+            return beta * (mx.exp(ref) * (ref - logp)).sum()
+        return beta * (mx.exp(logp) * (logp - ref)).sum()
+
+    grad, kl = _expected_kl_term(theta0, ref, beta, kl_loss)
+    # Each is a sum of V terms after a V-term log-sum-exp.
+    assert_f32_close(grad, mx.grad(closed_form)(theta0), 2 * v, kl_loss)
+    other, _ = _expected_kl_term(theta0, ref, beta, "k2" if kl_loss == "k3" else "k3")
+    assert np.abs(np.array(grad - other)).max() > 0.1 * np.abs(np.array(grad)).max()
+    logp0 = theta0 - mx.logsumexp(theta0)
+    assert_f32_close(kl, (mx.softmax(theta0) * (logp0 - ref)).sum(), 2 * v, "kl")
+
+
+@pytest.mark.parametrize("kl_loss", ["k3", "k2"])
 @pytest.mark.parametrize("as_array", [False, True])
-def test_the_batch_beta_of_an_adaptive_kl_weight_is_the_one_the_loss_uses(as_array):
+def test_the_batch_beta_of_an_adaptive_kl_weight_is_the_one_the_loss_uses(as_array, kl_loss):
     """With `batch.beta` set (the controller's weight; an array under grpo.compile), the
-    loss and its gradient are the hand-written ones at that beta, not the config's."""
+    loss and its gradient are the hand-written ones at that beta, not the config's; under
+    either KL term, `loss/policy` leaves it out and `kl` is the k3 estimate."""
     rng = np.random.default_rng(3)
     n, c = 8, 5
     logp = -rng.random((n, c)).astype(np.float32) * 3
@@ -163,7 +212,7 @@ def test_the_batch_beta_of_an_adaptive_kl_weight_is_the_one_the_loss_uses(as_arr
     adv = rng.normal(0, 1, n).astype(np.float32)
     mask = (rng.random((n, c)) > 0.3).astype(np.float32)
     mask[:, 0] = 1
-    cfg = GRPOConfig(num_generations=4, beta=0.04, loss_type="dapo")
+    cfg = GRPOConfig(num_generations=4, beta=0.04, loss_type="dapo", kl_loss=kl_loss)
     batch = LossInputs(
         prompts=[],
         completions=mx.zeros((n, c), mx.int32),
@@ -179,15 +228,29 @@ def test_the_batch_beta_of_an_adaptive_kl_weight_is_the_one_the_loss_uses(as_arr
         return objective(lp, mx.zeros((n, c)), batch, cfg)
 
     (value, metrics), grad = mx.value_and_grad(f)(mx.array(logp))
-    want, want_grad = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.7, "dapo", c)
-    assert_f32_close(value.item(), want, n * c, "loss")
+    d = (ref - logp).astype(np.float64)
+    if kl_loss == "k3":
+        want, want_grad = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.7, "dapo", c)
+        assert_f32_close(value.item(), want, n * c, "loss")
+    else:  # the policy part, plus beta x the token mean of d^2 / 2 (gradient -beta d)
+        _, want_grad = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.0, "dapo", c)
+        want_grad = want_grad - 0.7 * d / mask.sum()
+        # The KL part alone (zero advantages), which does not cancel against the policy's.
+        kl_only = objective(
+            mx.array(logp), mx.zeros((n, c)), replace(batch, advantages=mx.zeros(n)), cfg
+        )
+        assert_f32_close(
+            kl_only[0].item(), 0.7 * (mask * d**2 / 2).sum() / mask.sum(), n * c, "loss"
+        )
     assert_f32_close(np.array(grad) * mask, want_grad * mask, n * c, "gradient")
     # The policy part leaves the KL term out at the same beta.
     policy, _ = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.0, "dapo", c)
     assert_f32_close(metrics["loss/policy"].item(), policy, n * c, "loss/policy")
-    # The config's beta would give another loss: the check can fail.
+    k3 = (mask * (np.exp(d) - d - 1)).sum() / mask.sum()
+    assert_f32_close(metrics["kl"].item(), k3, n * c, "kl")
+    # The config's beta would give another KL part: the checks can fail.
     other, _ = np_loss_and_grad(logp, logp, ref, adv, mask, 0.2, 0.2, 0.04, "dapo", c)
-    assert abs(other - want) > 0.01
+    assert abs(other - policy) < 0.9 * abs(value.item() - policy)
 
 
 def test_kl_controller_moves_beta_toward_the_target_within_bounds():
