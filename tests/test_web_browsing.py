@@ -22,7 +22,7 @@ from recipes.web_agent import (
     parse_action,
     syntax_error,
 )
-from recipes.web_browsing import browser
+from recipes.web_browsing import after_errors, browser
 from recipes.web_browsing.families import NEEDED
 from recipes.web_browsing.sites import site_fingerprint
 from recipes.web_browsing.tasks import LEVELS, make_env, make_tasks, reward, system_prompt
@@ -390,8 +390,30 @@ def test_lenient_parse_finds_the_first_action_anywhere(reply, action):
 
 
 def test_docstring_examples():
-    for module in (page, browser, web_rewards):
+    for module in (page, browser, web_rewards, after_errors):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_after_errors_counts_each_reply_by_what_came_before_it(tmp_path):
+    """A run folder's samples, played again: a wrong id then prose counts one well-formed
+    first reply and one ill-formed reply after an invalid action; a golden episode's
+    later replies all follow a valid action; steps fall in their blocks."""
+    tasks = make_tasks("train", 40, 3)
+    task = next(t for t in tasks if t.level == 4)
+    golden = task.payload["solution"]
+    cfg = {"recipe": {"train_size": 40, "params": {}}, "train": {"seed": 3}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    samples = [
+        {"step": 3, "task": task.id, "completion": 'click "Nothing" [99]\nI am sorry.'},
+        {"step": 12, "task": task.id, "completion": "\n".join(golden)},
+    ]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    counts = after_errors.tabulate(tmp_path, block=10)
+    first, valid, invalid = after_errors.CONTEXTS
+    assert counts == {
+        (0, 4): Counter({(first, True): 1, (invalid, False): 1}),
+        (1, 4): Counter({(first, True): 1, (valid, True): len(golden) - 1}),
+    }
 
 
 # ---- generation ------------------------------------------------------------------------
