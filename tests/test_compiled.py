@@ -54,21 +54,22 @@ def _update(model, grad_fn, batch, max_positions=None):
 
 
 @pytest.mark.parametrize(
-    "loss_type, level, beta, iterations, bonus, adaptive_beta",
+    "loss_type, level, beta, iterations, bonus, adaptive_beta, kl_loss",
     [
-        ("dapo", "token", 0.04, 1, 0.0, None),
-        ("grpo", "token", 0.0, 2, 0.0, None),
-        ("dr_grpo", "token", 0.04, 2, 0.0, None),
-        ("turn", "token", 0.04, 1, 0.0, None),
-        ("turn", "token", 0.04, 1, 0.3, None),
-        ("turn", "token", 0.04, 1, 0.0, 0.5),
-        ("grpo", "sequence", 0.04, 2, 0.0, None),
-        ("turn", "sequence", 0.0, 1, 0.0, None),
-        ("episode", "token", 0.04, 1, 0.0, None),
+        ("dapo", "token", 0.04, 1, 0.0, None, "k3"),
+        ("grpo", "token", 0.0, 2, 0.0, None, "k3"),
+        ("dr_grpo", "token", 0.04, 2, 0.0, None, "k3"),
+        ("turn", "token", 0.04, 1, 0.0, None, "k3"),
+        ("turn", "token", 0.04, 1, 0.3, None, "k3"),
+        ("turn", "token", 0.04, 1, 0.0, 0.5, "k3"),
+        ("grpo", "sequence", 0.04, 2, 0.0, None, "k3"),
+        ("turn", "sequence", 0.0, 1, 0.0, None, "k3"),
+        ("episode", "token", 0.04, 1, 0.0, None, "k3"),
+        ("turn", "token", 0.04, 1, 0.0, None, "k2"),
     ],
 )
 def test_compiled_update_equals_the_eager_update(
-    tiny, loss_type, level, beta, iterations, bonus, adaptive_beta
+    tiny, loss_type, level, beta, iterations, bonus, adaptive_beta, kl_loss
 ):
     """Prompts of three lengths (one a multiple of 32, so unpadded), completions of
     several lengths (past 32, so two blocks), a group on the eager sparse head, and a
@@ -89,6 +90,7 @@ def test_compiled_update_equals_the_eager_update(
         epsilon_high=0.28,
         importance_sampling_level=level,
         entropy_coef=bonus,
+        kl_loss=kl_loss,
     )
     batch.entropy_coef = bonus
     batch.beta = adaptive_beta
