@@ -264,7 +264,7 @@ class GRPOConfig(_Section):
         "them all down leaves the policy unsure, so it writes prose, in such states). "
         "Logged as turns/uncompared. The logged entropy is a mean over the loss mask, "
         "so it then leaves those replies out too. web_browsing, seed 1: from step 1 it "
-        "kept the replies after an invalid action well formed through step 30, where "
+        "kept the replies after an invalid action well formed through step 40, where "
         "blaming every reply had them turn to prose from step 16; from step 20, once "
         "they had, it did not undo it (its docs/experiments.md).",
     )
