@@ -368,7 +368,7 @@ def objective(
     mask, tokens = batch.mask, batch.total_tokens
     level = cfg.importance_sampling_level
     beta = kl_weight(batch, cfg)
-    kl_loss = getattr(cfg, "kl_loss", "k3")
+    kl_loss = cfg.kl_loss
     tok_loss, kl, clipped, ratio = per_token_loss(
         logp,
         old,
