@@ -175,8 +175,8 @@ def fold_alike_rows(
     loss and its metrics weighs a token by its mask, so loss and gradients are those of
     the k rows up to float32 rounding (without LoRA dropout, which would draw k
     masks), and the k - 1 empty rows cost nothing in the reference and policy passes
-    (`effective_lengths`); they still count as rows in the divisors. A policy that has grown sure of itself samples most of a group alike.
-    Returns the rows emptied.
+    (`effective_lengths`); they still count as rows in the divisors. A policy that has
+    grown sure of itself samples most of a group alike. Returns the rows emptied.
 
     >>> t = np.array([[5, 6], [5, 6], [5, 7], [5, 6]]); m = np.ones((4, 2), np.float32)
     >>> fold_alike_rows(t, m, np.array([0.5, 0.5, -1.0, 0.5]), [0.0] * 4, 4), m[:, 0].tolist()

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                     groups,
                     frozenset(),
                     cfg.grpo.reinforce_ill_formed,
-                    fold=on,
+                    fold=on and cfg.lora.dropout == 0,  # as the trainer folds
+                    blame_replies=cfg.grpo.blame_replies,
                 )
                 trainer_mod.reference_pass(model, batch, cfg.grpo)
                 loss, _, grads, norm, _ = trainer_mod.policy_gradient(
