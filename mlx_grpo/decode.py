@@ -89,17 +89,19 @@ class CompiledDecoder:
                     for i in range(n_layers)
                 ]
                 logits = model(tokens[:, None], cache=cache)[:, -1, :]
-                nxt, keys = sampler.draw_rows(keys, fastmath.log_softmax(logits))
+                logprobs = fastmath.log_softmax(logits)
+                nxt, keys = sampler.draw_rows(keys, logprobs)
                 nxt = nxt.astype(mx.int32)
                 out = [a for c in cache for a in (c.keys, c.values)]
-                return (nxt, keys, cache[0].pos, *out)
+                return (nxt, fastmath.entropy(logprobs), keys, cache[0].pos, *out)
 
             self._steps[settings] = mx.compile(step, inputs=model.state)
         return self._steps[settings]
 
     def __call__(self, tails, caches, max_tokens: int, stop_ids, samplers):
         """As `rollout._decode`: per row, (sampled ids, "stop" or "length", its own
-        cache holding `caches[i]`, the tail and every sampled id). `samplers` are
+        cache holding `caches[i]`, the tail and every sampled id, the entropy of each
+        sampled id's distribution). `samplers` are
         `KeyedSampler`s of one setting; each ends with the key the op-by-op path
         leaves it (one split per draw, including the draw after its last token)."""
         model, b = self.model, len(tails)
@@ -156,6 +158,7 @@ class CompiledDecoder:
         keys = mx.stack([s.key for s in samplers])
         tokens = mx.array([t[-1] for t in tails])
         out: list[list[int]] = [[] for _ in range(b)]
+        entropies: list[list[float]] = [[] for _ in range(b)]
         finish: list[str | None] = [None] * b
         final_keys: list[mx.array | None] = [None] * b
         caches_out: list[list | None] = [None] * b
@@ -180,25 +183,28 @@ class CompiledDecoder:
                 own.append(c)
             return own
 
-        nxt, keys, pos, *layers = step(tokens, keys, pos, *meta, *layers)
-        mx.async_eval(nxt)
+        nxt, ent, keys, pos, *layers = step(tokens, keys, pos, *meta, *layers)
+        mx.async_eval(nxt, ent)
         while True:
             # Queue the next step (it feeds this step's tokens) before reading them.
-            after, after_keys, after_pos, *after_layers = step(nxt, keys, pos, *meta, *layers)
+            after, after_ent, after_keys, after_pos, *after_layers = step(
+                nxt, keys, pos, *meta, *layers
+            )
             layers = None  # the graph holds the last cache alone: written in place
-            mx.async_eval(after)
-            drawn = nxt.tolist()
+            mx.async_eval(after, after_ent)
+            drawn, h = nxt.tolist(), ent.tolist()
             for j, i in enumerate(rows):
                 if finish[i] is not None:
                     continue
                 out[i].append(drawn[j])
+                entropies[i].append(h[j])
                 if drawn[j] in stop_ids:
                     finish[i] = "stop"
                 elif len(out[i]) >= max_tokens:
                     finish[i] = "length"
                 if finish[i] is not None:  # the step just queued fed its last token
                     final_keys[i] = after_keys[j]
-            nxt, keys, pos, layers = after, after_keys, after_pos, after_layers
+            nxt, ent, keys, pos, layers = after, after_ent, after_keys, after_pos, after_layers
             live = [j for j, i in enumerate(rows) if finish[i] is None]
             if not live:
                 break
@@ -209,7 +215,8 @@ class CompiledDecoder:
                     if finish[i] is not None:
                         caches_out[i] = extract(j, i)
                 take = mx.array(live)
-                nxt, keys, layers = nxt[take], keys[take], [x[take] for x in layers]
+                nxt, ent, keys = nxt[take], ent[take], keys[take]
+                layers = [x[take] for x in layers]
                 meta = tuple(m[take] if m.ndim else m for m in meta)
                 rows = [rows[j] for j in live]
         for j, i in enumerate(rows):
@@ -217,4 +224,4 @@ class CompiledDecoder:
         mx.eval(final_keys, [c.state for own in caches_out for c in own])
         for s, k in zip(samplers, final_keys):
             s.key = k
-        return [(out[i], finish[i], caches_out[i]) for i in range(b)]
+        return [(out[i], finish[i], caches_out[i], entropies[i]) for i in range(b)]

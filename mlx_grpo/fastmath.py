@@ -77,6 +77,13 @@ def log_softmax(x: mx.array) -> mx.array:
     return x - (m + mx.log(exp((x - m).astype(mx.float32)).sum(axis=-1, keepdims=True)))
 
 
+def entropy(logprobs: mx.array) -> mx.array:
+    """-sum p log p over the last axis of log-probabilities (log_softmax's output), in
+    float32, with `exp`."""
+    lp = logprobs.astype(mx.float32)
+    return -(exp(lp) * lp).sum(axis=-1)
+
+
 def uniform_rows(keys: mx.array) -> mx.array:
     """[n, 1] uniform numbers in [0, 1), row i drawn from keys[i] ([n, 2]): the number
     `mx.random.uniform(shape=(1,), key=keys[i])` gives, for all rows in one call."""

@@ -46,6 +46,10 @@ class Completion:
     loss_mask: list[int] | None = None
     episode: Episode | None = None
     demonstration: bool = False  # the recipe's demonstration, not a sample (grpo.guidance)
+    # Per sampled token (the model's tokens, in order): the entropy of the untempered
+    # policy's distribution it was drawn from, whatever later takes it out of the loss.
+    # None for a demonstration.
+    entropies: list[float] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -54,6 +58,11 @@ class Completion:
     @property
     def model_tokens(self) -> int:
         return len(self.tokens) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def entropy(self) -> float | None:
+        """The mean of `entropies` (None without any)."""
+        return sum(self.entropies) / len(self.entropies) if self.entropies else None
 
 
 def ill_formed_turns(c: Completion) -> list[tuple[int, int]]:
@@ -346,12 +355,13 @@ def _decode(
     caches: list[list],
     cfg: RolloutConfig,
     sampler,
-) -> list[tuple[list[int], str, list]]:
+) -> list[tuple[list[int], str, list, list[float]]]:
     """Sample one turn for every sequence: `tails[i]` is fed on top of `caches[i]` (a
     cache that stays untouched) and decoding starts after it. `sampler` is one sampler
     for all, or a list with one per sequence. Returns (sampled ids, finish reason, the
-    sequence's own cache) per sequence; that cache holds `caches[i]`, the tail and every
-    sampled id, so a next turn feeds only what follows."""
+    sequence's own cache, the entropy of each sampled id's distribution) per sequence;
+    that cache holds `caches[i]`, the tail and every sampled id, so a next turn feeds
+    only what follows."""
     n = len(tails)
     samplers = sampler if isinstance(sampler, list) else None
     rows = [sampler] * n if isinstance(sampler, GreedySampler) else samplers
@@ -375,7 +385,12 @@ def _decode(
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         finish: dict[int, str] = {}
         done_cache: dict[int, list] = {}
+        # Each step's entropies, queued behind the next step rather than waited for.
+        steps: list[tuple[list[int], mx.array]] = []
         while responses := gen.next_generated():
+            ent = fastmath.entropy(mx.stack([r.logprobs for r in responses]))
+            mx.async_eval(ent)
+            steps.append(([r.uid for r in responses], ent))
             for r in responses:
                 tokens[r.uid].append(r.token)
                 if r.finish_reason is not None:
@@ -383,8 +398,17 @@ def _decode(
                     done_cache[r.uid] = r.prompt_cache
     finally:
         gen.close()
+    entropies: dict[int, list[float]] = {u: [] for u in uids}
+    for step_uids, ent in steps:
+        for u, h in zip(step_uids, ent.tolist()):
+            entropies[u].append(h)
     return [
-        (tokens[u], "stop" if finish.get(u) == "stop" else "length", done_cache.get(u))
+        (
+            tokens[u],
+            "stop" if finish.get(u) == "stop" else "length",
+            done_cache.get(u),
+            entropies[u],
+        )
         for u in uids
     ]
 
@@ -415,9 +439,9 @@ def generate_groups(
         sampler or make_rollout_sampler(cfg),
     )
     completions = []
-    for owner, (toks, reason, _) in zip(owners, sampled):
+    for owner, (toks, reason, _, ent) in zip(owners, sampled):
         completions.append(
-            Completion(owner, toks, reply_text(tokenizer, toks, reason, cfg), reason)
+            Completion(owner, toks, reply_text(tokenizer, toks, reason, cfg), reason, entropies=ent)
         )
     return Rollout(
         prompts=prompts,
@@ -505,6 +529,7 @@ def play_episodes(
     owners = [i // group_size for i in range(n)]
     history: list[list[int]] = [[] for _ in range(n)]  # tokens after the prompt
     mask: list[list[int]] = [[] for _ in range(n)]
+    entropies: list[list[float]] = [[] for _ in range(n)]
     episodes = episodes or [Episode(env=e) for e in envs]
     played = [len(e.actions) for e in episodes]
     reasons = ["length"] * n
@@ -527,8 +552,9 @@ def play_episodes(
                 [sampler[i] for i in live] if isinstance(sampler, list) else sampler,
             )
             still = []
-            for i, (toks, reason, cache) in zip(live, sampled):
+            for i, (toks, reason, cache, ent) in zip(live, sampled):
                 state[i] = None  # free finished episodes' caches as we go
+                entropies[i] += ent
                 text = reply_text(tokenizer, toks, reason, cfg)
                 extra, reasons[i], seconds = take_turn(
                     episodes[i], text, toks, reason, played[i] + turn, len(prompts[owners[i]]),
@@ -555,6 +581,7 @@ def play_episodes(
             "stop" if episodes[i].done else reasons[i],
             loss_mask=mask[i],
             episode=episodes[i],
+            entropies=entropies[i],
         )
         for i in range(n)
     ]

@@ -268,6 +268,8 @@ class CompletionRecord:
     finish_reason: str | None = None
     ill_formed: int = 0  # replies its environment marked ill-formed (`ill_formed_turns`)
     ended_ill_formed: bool = False  # the episode ended there (`rollout.end_on_ill_formed`)
+    # The mean entropy of the distributions its tokens were drawn from (`Completion.entropy`)
+    entropy: float | None = None
 
     @classmethod
     def of(cls, completion, scored: Scored, with_text: bool) -> CompletionRecord:
@@ -283,6 +285,7 @@ class CompletionRecord:
             finish_reason=completion.finish_reason if with_text else None,
             ill_formed=len(ill_formed_turns(completion)),
             ended_ill_formed=completion.finish_reason == "ill_formed",
+            entropy=completion.entropy,
         )
 
 
@@ -940,6 +943,10 @@ def _step_metrics(
     turns = [r.turns for r in records if r.turns is not None]
     if turns:
         out["episode/turns_mean"] = float(np.mean(turns))
+    sampled = [(r.entropy, r.tokens) for r in records if r.entropy is not None]
+    if sampled:  # every sampled token of the step, whatever the loss leaves out
+        h, n = np.array(sampled, dtype=np.float64).T
+        out["entropy/sampled"] = float((h * n).sum() / n.sum())
     # Every component any completion has: a completion whose reward raised has none.
     for name in dict.fromkeys(k for r in records for k in r.components):
         out[f"reward/{name}"] = float(np.mean([r.components.get(name, 0.0) for r in records]))
@@ -1118,6 +1125,7 @@ def _sample_records(
             "components": r.components,
             **({"error": r.error} if r.error else {}),
             **({"failure": r.failure} if r.failure else {}),
+            **({"entropy": r.entropy} if r.entropy is not None else {}),
         }
         for i, r in enumerate(records)
     ]

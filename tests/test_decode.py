@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import assert_f32_close, tiny_additions
 
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import LoRAConfig, RolloutConfig
@@ -31,8 +32,8 @@ def _turns(model, tok, cfg, prompts, observations, compiled: bool, seed: int):
     for obs in observations:
         tails = tails if obs is None else obs
         out = _decode(model, tok, tails, caches, cfg, samplers)
-        turns.append([(ids, finish) for ids, finish, _ in out])
-        caches = [c for _, _, c in out]
+        turns.append([(ids, finish) for ids, finish, _, _ in out])
+        caches = [c for _, _, c, _ in out]
     return turns, [np.array(s.key).tolist() for s in samplers], caches
 
 
@@ -77,6 +78,53 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, monkeypatch
                 assert np.abs(u - v).max() <= bound * max(np.abs(u).max(), 1.0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_each_sampled_id_carries_the_entropy_of_the_distribution_it_came_from(
+    tiny, tiny_model_dir, compiled, monkeypatch
+):
+    """Three turns of rows of different lengths, some ending at a stop id: each path
+    returns, per sampled id, the entropy of the untempered policy at that position. The
+    reference is a full forward pass over the row's whole sequence (prompt, replies and
+    observations), with -sum p log p of its log-softmax taken in float64: no cache, no
+    sampler, no temperature (the rollout samples at 1.5)."""
+    model, tok = tiny
+    stops = set(tok.eos_token_ids) | set(range(0, len(tok.vocab), 10))
+    monkeypatch.setattr(tok, "eos_token_ids", stops)
+    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.5, compile_decode=compiled)
+    words = ["a", "short prompt", "another, much longer prompt here", "x y z"]
+    prompts = [tok.encode(f"{w} number {i}") for i, w in enumerate(words)]
+    observations = [[tok.encode(" " + w * (t + 1)) for w in words[::-1]] for t in (0, 1)]
+    samplers = keyed_samplers(cfg, mx.random.split(mx.random.key(3), len(prompts)))
+    caches = prefill_prompts(model, prompts)
+    seqs = [list(p) for p in prompts]
+    got, want = [], []
+    tails = [[p[-1]] for p in prompts]
+    for turn in range(3):
+        out = _decode(model, tok, tails, caches, cfg, samplers)
+        for i, (ids, _, _, entropies) in enumerate(out):
+            assert len(entropies) == len(ids)
+            got += entropies
+            starts = len(seqs[i]) - 1  # the position that predicts the first id
+            seqs[i] += ids
+            logits = np.array(model(mx.array(seqs[i])[None])[0].astype(mx.float32), np.float64)
+            lp = logits - logits.max(-1, keepdims=True)
+            lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+            want += list(-(np.exp(lp) * lp).sum(-1)[starts : starts + len(ids)])
+        if turn < 2:
+            tails = observations[turn]
+            for i, obs in enumerate(tails):
+                seqs[i] += obs
+            caches = [c for _, _, c, _ in out]
+    assert len(got) > 3 * len(prompts)  # rows sampled more than one id a turn
+    # A position's logits went through the layers' reductions and its attention row
+    # (at most the longest sequence; the compiled path attends over its capacity) in
+    # another order; the entropy then sums over the vocabulary.
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    n = tiny_additions(config) + max(map(len, seqs)) + (CAPACITY_STEP if compiled else 0)
+    assert_f32_close(got, want, n, "entropies")
+
+
 def test_both_paths_stop_after_a_line_break_under_stop_at_newline(tiny, monkeypatch):
     """With `stop_at_newline`, a row ends right after its first line-break id on either
     path (here a twentieth of the vocabulary stands for the line breaks: the tiny model
@@ -116,7 +164,7 @@ def test_turns_of_varied_lengths_share_a_compiled_shape(tiny):
         caches = prefill_prompts(model, prompts)
         out = decoder([[p[-1]] for p in prompts], caches, 8, set(tok.eos_token_ids), samplers)
         tails = [tok.encode("o" * (1 + n + 2 * i)) for i in range(4)]
-        decoder(tails, [c for _, _, c in out], 8, set(tok.eos_token_ids), samplers)
+        decoder(tails, [c for _, _, c, _ in out], 8, set(tok.eos_token_ids), samplers)
     assert decoder.traces == 1
     samplers = keyed_samplers(cfg, mx.random.split(mx.random.key(0), 3))
     caches = prefill_prompts(model, prompts[:3])
@@ -161,7 +209,9 @@ def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_pat
         args += [f"--output.dir={tmp_path}", f"--output.run={name}", "--train.steps=2"]
         args += ["--train.sample_every=1", f"--rollout.compile_decode={flag}"]
         assert cmd_train(args) == 0
-        logs[name] = (tmp_path / name / "samples.jsonl").read_text().splitlines()
+        samples = (tmp_path / name / "samples.jsonl").read_text().splitlines()
+        logs[name] = [json.loads(x) for x in samples]
+        logs[name + "/entropy"] = [r.pop("entropy") for r in logs[name]]
         metrics = [
             json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         ]
@@ -169,6 +219,11 @@ def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_pat
         logs[name + "/traces"] = [m.get("compile/decode_traces") for m in metrics]
     assert logs["compiled"] == logs["plain"] and logs["plain"]
     assert logs["compiled/m"] == logs["plain/m"]
+    # Each episode's mean entropy: its logits through the layers' reductions and an
+    # attention row over the capacity on the compiled path.
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    n = tiny_additions(config) + 2 * CAPACITY_STEP
+    assert_f32_close(logs["compiled/entropy"], logs["plain/entropy"], n, "entropy")
     assert logs["plain/traces"] == [None, None]
     assert 0 < logs["compiled/traces"][0] <= logs["compiled/traces"][1]
 

@@ -127,8 +127,11 @@ def test_two_ranks_match_one_process_and_resume(tiny_model_dir, tmp_path):
         for k in r1:
             bound = f32_tolerance(n) * max(1.0, abs(r2[k]))
             assert abs(r1[k] - r2[k]) <= bound, (r1["step"], k, r1[k], r2[k])
-    samples = _jsonl(run / "samples.jsonl")
-    assert samples == _jsonl(single / "r" / "samples.jsonl")
+    samples, alone = _jsonl(run / "samples.jsonl"), _jsonl(single / "r" / "samples.jsonl")
+    # Each completion's sampling entropy: its logits, from batches of other sizes.
+    entropies = [[r.pop("entropy") for r in rows] for rows in (samples, alone)]
+    assert samples == alone
+    assert_f32_close(*entropies, n, "entropy")
     # With seed 5, task 0's group is rank 0's only group at step 1 and rank 1's at
     # step 3 (a rank with nothing to train still joins the exchange); at steps 2 and
     # 4 both ranks train (each divides by the whole batch's token count).

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import assert_f32_close, tiny_additions
 
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import RolloutConfig
@@ -43,6 +44,43 @@ def _toy_episodes(model, tok):
     cfg = RolloutConfig(max_new_tokens=6, max_turns=3, temperature=1.0)
     mx.random.seed(3)
     return recipe, tasks, rollout_tasks(model, tok, recipe, tasks, 4, cfg)
+
+
+def test_every_sampled_token_of_an_episode_logs_the_entropy_it_was_drawn_at(tiny, tiny_model_dir):
+    """Each episode carries one entropy per model token, in order; each equals -sum p
+    log p (float64) of a full forward pass over the prompt and the whole episode (its
+    replies and the environment's answers) at the position that predicted that token.
+    The step's `entropy/sampled` is their mean over every token of every episode:
+    rewarded or not, trained or not."""
+    from mlx_grpo.trainer import CompletionRecord, _step_metrics
+
+    model, tok = tiny
+    recipe, tasks, rollout = _toy_episodes(model, tok)
+    got, want, longest = [], [], 0
+    for c in rollout.completions:
+        assert len(c.entropies) == c.model_tokens == sum(c.loss_mask)
+        assert any(m == 0 for m in c.loss_mask) or c.episode.turns == 1
+        prompt = rollout.prompts[c.prompt_index]
+        seq = prompt + c.tokens
+        longest = max(longest, len(seq))
+        logits = np.array(model(mx.array(seq)[None])[0].astype(mx.float32), np.float64)
+        lp = logits - logits.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        h = -(np.exp(lp) * lp).sum(-1)
+        got += c.entropies
+        want += [h[len(prompt) - 1 + k] for k, m in enumerate(c.loss_mask) if m]
+    assert max(c.episode.turns for c in rollout.completions) > 1
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert_f32_close(got, want, tiny_additions(config) + longest, "entropies")
+
+    scored = recipe.score_rollout(tasks, rollout)
+    records = [CompletionRecord.of(c, s, False) for c, s in zip(rollout.completions, scored)]
+    rewards = np.array([s.reward for s in scored])
+    n = len(records)
+    out = _step_metrics(1, [{"seconds": 1.0, "tokens": n}], records, rewards, mx.zeros(n),
+                        np.zeros(len(tasks), bool), [])  # fmt: skip
+    # float64 means of float64 sums of float32 values: exact to about 1e-15
+    assert out["entropy/sampled"] == pytest.approx(float(np.mean(got)), rel=1e-12)
 
 
 def test_episodes_render_exactly_the_chat_template(tiny):
@@ -193,7 +231,7 @@ def test_a_turn_continues_on_the_cache_of_the_previous_one(tiny):
     first = _decode(model, tok, [[p[-1]] for p in prompts], caches, cfg, sampler)
     obs = [tok.encode(" then this"), tok.encode(" and then that, observed")]
     seen.clear()
-    second = _decode(model, tok, obs, [c for _, _, c in first], cfg, sampler)
+    second = _decode(model, tok, obs, [c for _, _, c, _ in first], cfg, sampler)
     for i, p in enumerate(prompts):
         seq = p + first[i][0] + obs[i] + second[i][0]
         logits = model(mx.array(seq)[None])[0].astype(mx.float32)

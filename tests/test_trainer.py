@@ -33,6 +33,7 @@ REQUIRED = [
     "kl",
     "clip/frac",
     "entropy",
+    "entropy/sampled",
     "grad_norm",
     "lr",
     "completion/len_mean",
