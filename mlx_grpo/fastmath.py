@@ -79,9 +79,10 @@ def log_softmax(x: mx.array) -> mx.array:
 
 def entropy(logprobs: mx.array) -> mx.array:
     """-sum p log p over the last axis of log-probabilities (log_softmax's output), in
-    float32, with `exp`."""
+    float32, with `exp`; a masked token (log-prob -inf) adds 0."""
     lp = logprobs.astype(mx.float32)
-    return -(exp(lp) * lp).sum(axis=-1)
+    p = exp(lp)
+    return -mx.where(p > 0, p * lp, 0.0).sum(axis=-1)
 
 
 def uniform_rows(keys: mx.array) -> mx.array:

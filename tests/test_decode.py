@@ -117,6 +117,8 @@ def test_each_sampled_id_carries_the_entropy_of_the_distribution_it_came_from(
                 seqs[i] += obs
             caches = [c for _, _, c, _ in out]
     assert len(got) > 3 * len(prompts)  # rows sampled more than one id a turn
+    if compiled:  # rows left the batch as they ended (their entropies with them)
+        assert model._compiled_decoder.traces > 1
     # A position's logits went through the layers' reductions and its attention row
     # (at most the longest sequence; the compiled path attends over its capacity) in
     # another order; the entropy then sums over the vocabulary.

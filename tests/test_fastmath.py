@@ -112,6 +112,35 @@ def test_fast_log_softmax_matches_float64():
     assert np.all(np.abs(got - want) <= rel + 2 * (big + np.abs(x).max()) * EPS32)
 
 
+def test_entropy_of_log_probabilities_matches_float64_and_skips_masked_tokens():
+    """fastmath.entropy (each sampled token's entropy in the decoders) on float64 log-probs
+    rounded to float32: each p = exp(lp) is off by (12 + ln2 |lp|) unit roundoffs (above),
+    each p lp by one more, and their float32 sum of V terms by V more, relative to
+    sum |p lp| <= max |lp|. A log-prob of -inf (a masked token) adds 0, not NaN."""
+    rng = np.random.default_rng(5)
+    v = 4096
+    x = rng.normal(size=(6, v)) * np.array([1.0, 3, 10, 1, 3, 10])[:, None]
+    lp = x - x.max(axis=-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(axis=-1, keepdims=True))
+    lp32 = lp.astype(np.float32)
+    got = np.array(fastmath.entropy(mx.array(lp32)), np.float64)
+    want = -(np.exp(lp32.astype(np.float64)) * lp32).sum(axis=-1)
+    big = np.abs(lp32).max()
+    assert np.all(
+        np.abs(got - want) <= (v + 14 + math.log(2) * big * math.log2(math.e)) * big * EPS32
+    )
+    masked = lp32.copy()
+    masked[:, ::7] = -np.inf
+    got = np.array(fastmath.entropy(mx.array(masked)), np.float64)
+    keep = np.isfinite(masked)
+    want = -np.where(keep, np.exp(np.where(keep, masked, 0.0)) * np.where(keep, masked, 0.0), 0.0)
+    assert np.all(np.isfinite(got))
+    assert np.all(
+        np.abs(got - want.sum(axis=-1))
+        <= (v + 14 + math.log(2) * big * math.log2(math.e)) * big * EPS32
+    )
+
+
 def test_uniform_rows_are_each_keys_own_uniform():
     keys = mx.random.split(mx.random.key(5), 7)
     rows = np.array(fastmath.uniform_rows(keys))[:, 0]
