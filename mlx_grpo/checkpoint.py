@@ -95,6 +95,47 @@ def save_checkpoint(
     return final
 
 
+def save_start(run_dir: Path, state: dict, model=None, optimizer=None) -> None:
+    """What a run has done before its first checkpoint (`state`: its base evaluation,
+    the warm-start steps taken so far), kept so that a kill there loses none of it.
+    With `model`, its adapters and `optimizer`'s state go with it. The files of
+    warm-start step k carry k in their names and `state.json` names k last (atomically),
+    so a kill at any instant leaves a state whose files are whole."""
+    folder = RunFolder(run_dir).start_dir
+    k = int(state.get("sft_step", 0))
+    try:
+        folder.mkdir(exist_ok=True)
+        if model is not None:
+            save_arrays(
+                folder / f"adapters-{k}.safetensors",
+                dict(tree_flatten(model.trainable_parameters())),
+            )
+            save_arrays(folder / f"optimizer-{k}.safetensors", dict(tree_flatten(optimizer.state)))
+        _write_json(folder / RunFolder.STATE, state)
+        crash_point()
+    except (OSError, RuntimeError) as e:
+        why = getattr(e, "strerror", None) or _why(e)
+        raise CheckpointError(f"checkpoint: cannot write {folder}: {why}") from e
+    for old in folder.glob("*.safetensors"):
+        if not old.name.endswith(f"-{k}.safetensors"):
+            old.unlink(missing_ok=True)
+
+
+def load_start(run_dir: Path) -> dict | None:
+    """`save_start`'s state (None when there is none, or it cannot be read), with
+    "adapters" and "optimizer" (flat dicts of arrays) when a warm-start step was kept."""
+    folder = RunFolder(run_dir).start_dir
+    try:
+        state = json.loads((folder / RunFolder.STATE).read_text())
+        k = int(state.get("sft_step", 0))
+        if k:
+            state["adapters"] = load_arrays(folder / f"adapters-{k}.safetensors")
+            state["optimizer"] = load_arrays(folder / f"optimizer-{k}.safetensors")
+    except (OSError, ValueError, TypeError, AttributeError, CheckpointError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def publish_adapters(step_dir: Path) -> None:
     """Make the run folder's top-level adapters those of `step_dir` (atomically, each
     file; a no-op when they already are): a resumed run redoes this, in case the kill

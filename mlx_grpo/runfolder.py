@@ -59,6 +59,7 @@ class RunFolder:
     COMPARE = "compare.json"
     WARMSTART = "warmstart.json"
     REFERENCE = "reference.safetensors"
+    START = "start.partial"  # the start of a run before its first checkpoint
 
     def __post_init__(self):
         object.__setattr__(self, "path", Path(self.path))
@@ -105,6 +106,10 @@ class RunFolder:
     @property
     def reference_file(self) -> Path:
         return self.path / self.REFERENCE
+
+    @property
+    def start_dir(self) -> Path:
+        return self.path / self.START
 
     @property
     def logs(self) -> tuple[Path, Path, Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import threading
 import time
@@ -22,9 +23,11 @@ from mlx_grpo.checkpoint import (
     TrainState,
     load_arrays,
     load_checkpoint,
+    load_start,
     publish_adapters,
     save_arrays,
     save_checkpoint,
+    save_start,
 )
 from mlx_grpo.compiled import CompiledLossAndGrad
 from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
@@ -362,7 +365,13 @@ def train(
         say = _silent
     run = RunFolder(run_dir)
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
-    start, counters = _begin(dist, run, resume_from, model, optimizer, curriculum, say)
+    # A run stopped before its first checkpoint keeps what it had done (the base
+    # evaluation, warm-start steps) when started again with the same settings.
+    kept = _kept_start(run, cfg) if resume_from is None and dist.size == 1 else None
+    go_on = cfg.output.on_full_disk == "continue"
+    start, counters = _begin(
+        dist, run, resume_from, model, optimizer, curriculum, say, kept and kept.get("base")
+    )
     if counters.entropy_coef is None:  # a new run, or one from before the option
         counters.entropy_coef = cfg.grpo.entropy_coef
     if counters.beta is None or cfg.grpo.kl_target is None:  # new, older, or a fixed beta
@@ -372,7 +381,14 @@ def train(
         info(f"report_to: {trackers.where()}")
     if main and evaluate_fn and cfg.train.eval_every and resume_from is None:
         # The base model's held-out figures: where the curves in eval.jsonl start.
-        base = evaluate_fn(0, {"rollout_tokens": 0})
+        base = kept and kept.get("base")
+        if base:
+            info("held-out before training: kept from the start that was stopped")
+        else:
+            base = evaluate_fn(0, {"rollout_tokens": 0})
+            kept = {"settings": _start_settings(cfg), "base": base, "sft_step": 0}
+            if dist.size == 1:
+                _keep_start(run, kept, None, None, go_on, say)
         trackers.log(0, base)
         shown = {
             k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
@@ -393,13 +409,24 @@ def train(
         `go_on`, a full disk costs only this checkpoint (`_save`)."""
         state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
         args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
-        dist.run_on_main(lambda: _save(args, go_on, say))
+        if dist.run_on_main(lambda: _save(args, go_on, say)):
+            dist.run_on_main(lambda: shutil.rmtree(run.start_dir, ignore_errors=True))
 
     # The trackers close however the loop ends (a kill is what resuming mends).
     with trackers, _CtrlC(say, dist.size == 1) as ctrl_c:
         if cfg.train.sft_steps and resume_from is None:  # (a step-0 resume is past it)
             tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
-            warm = warm_start(model, tokenizer, recipe, tasks, cfg, say, dist)
+            base = (kept or {}).get("base")
+
+            def keep(k: int, sft_optimizer, nll: list[float], seconds: float) -> None:
+                if dist.size == 1 and k < cfg.train.sft_steps:  # (step 0's checkpoint then)
+                    state = {"settings": _start_settings(cfg), "base": base, "sft_step": k}
+                    state.update(nll=nll, seconds=seconds)
+                    _keep_start(run, state, model, sft_optimizer, go_on, say)
+
+            if kept and kept.get("sft_step"):
+                info(f"warm start: continuing after its step {kept['sft_step']}")
+            warm = warm_start(model, tokenizer, recipe, tasks, cfg, say, dist, kept, keep)
             if main:
                 write_atomic(run.warmstart_file, json.dumps(warm) + "\n")
             nll = warm["nll"]
@@ -627,13 +654,45 @@ def _save(args: tuple, go_on: bool, say) -> str:
         return ""
 
 
-def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum, say):
+def _start_settings(cfg: RunConfig) -> dict:
+    """What decides a run's base evaluation and warm start: all its settings but its
+    length and where it writes (a run may be started again to go further)."""
+    settings = cfg.model_dump(mode="json", exclude={"output"})
+    settings["train"].pop("steps", None)
+    return settings
+
+
+def _kept_start(run: RunFolder, cfg: RunConfig) -> dict | None:
+    """The kept start of a run (`checkpoint.save_start`) when its settings are this
+    run's, else None (and nothing of it is kept)."""
+    kept = load_start(run.path)
+    if kept is None or kept.get("settings") != _start_settings(cfg):
+        shutil.rmtree(run.start_dir, ignore_errors=True)
+        return None
+    return kept
+
+
+def _keep_start(run: RunFolder, state: dict, model, optimizer, go_on: bool, say) -> None:
+    """`save_start`; with `go_on`, a full disk costs only this (as `_save`)."""
+    try:
+        save_start(run.path, state, model, optimizer)
+    except CheckpointError as e:
+        full = isinstance(e.__cause__, OSError) and e.__cause__.errno in FULL_DISK
+        if not (go_on and full):
+            raise
+        say(f"{e}; going on without it (output.on_full_disk=continue)")
+
+
+def _begin(
+    dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum, say, keep_base=False
+):
     """(first step to run - 1, counters): restored from `resume_from`, whose step the
-    logs are cut back to; else fresh, with the same adapters on every rank."""
+    logs are cut back to; else fresh, with the same adapters on every rank (and
+    eval.jsonl's base evaluation kept with `keep_base`)."""
     if resume_from is None:
         if dist.is_main:  # a run started again before its first checkpoint: no old steps
             for log in run.logs:
-                cut_jsonl(log, -1)
+                cut_jsonl(log, 0 if keep_base and log == run.eval_file else -1)
         if dist.size > 1:  # the same adapters everywhere even if the ranks' RNGs differ
             sent = dist.broadcast_arrays(_adapters(model) if dist.is_main else None)
             model.load_weights(list(sent.items()), strict=False)
@@ -641,6 +700,7 @@ def _begin(dist: Dist, run: RunFolder, resume_from, model, optimizer, curriculum
     st = _resume(dist, resume_from, model, optimizer)
     curriculum.load_state_dict(st.curriculum)
     if dist.is_main:
+        shutil.rmtree(run.start_dir, ignore_errors=True)  # (past it)
         for log in run.logs:
             if note := cut_jsonl(log, st.step):
                 say(note)

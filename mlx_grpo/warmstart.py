@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_unflatten
 
 from mlx_grpo.config import RunConfig
 from mlx_grpo.dist import Dist
@@ -118,12 +119,19 @@ def warm_start(
     cfg: RunConfig,
     say: Callable[[str], None] = print,
     dist: Dist | None = None,
+    kept: dict | None = None,
+    on_step: Callable[[int, optim.Optimizer, list[float], float], None] | None = None,
 ) -> dict:
     """`cfg.train.sft_steps` supervised steps on demonstrations of `tasks` (the training
     split). Under `mlx.launch` every rank plays the same demonstrations and takes its
     share of each step's rows; the gradients are summed over ranks, so all take the
     same step. Returns a summary: the demonstrations used per level, the NLL of each
-    step and the seconds taken."""
+    step and the seconds taken.
+
+    `on_step(k, optimizer, nll, seconds)` runs after step k (to keep it); `kept`
+    (`checkpoint.load_start`'s state after step k: adapters, optimizer state, NLLs,
+    seconds) continues from there, to the model and optimizer the uninterrupted warm
+    start would have had."""
     from mlx_grpo.trainer import (
         TrainingError,
         apply_update,
@@ -137,7 +145,7 @@ def warm_start(
     tic = time.perf_counter()
     rng = np.random.default_rng([tc.seed, 7_305])  # apart from the run's other draws
     pool = by_level(tasks, tc.sft_steps * tc.sft_batch_size, rng)
-    prompts, comps, kept = demonstrations(recipe, tokenizer, pool, cfg.rollout, say)
+    prompts, comps, shown_tasks = demonstrations(recipe, tokenizer, pool, cfg.rollout, say)
     if not comps:
         raise TrainingError(
             f"train.sft_steps: recipe {recipe.name} gave no demonstration that ends its "
@@ -154,10 +162,18 @@ def warm_start(
             for _ in range(math.ceil(tc.sft_steps * tc.sft_batch_size / len(comps)))
         ]
     )
-    nll = []
+    nll, done, before = [], 0, 0.0
+    if kept and kept.get("sft_step"):
+        done, nll, before = int(kept["sft_step"]), list(kept["nll"]), float(kept["seconds"])
+        model.load_weights(list(kept["adapters"].items()), strict=False)
+        optimizer.state = tree_unflatten(list(kept["optimizer"].items()))
+        mx.eval(model.parameters(), optimizer.state)
     model.train()
     for step in range(tc.sft_steps):
-        mx.random.seed(int(rng.integers(2**31)))  # LoRA dropout: the same on every rank
+        seed = int(rng.integers(2**31))  # (drawn for the steps already done too)
+        if step < done:
+            continue
+        mx.random.seed(seed)  # LoRA dropout: the same on every rank
         rows = order[step * tc.sft_batch_size : (step + 1) * tc.sft_batch_size].tolist()
         mine = dist.share(len(rows))
         local = rows[mine.start : mine.stop]
@@ -175,10 +191,12 @@ def warm_start(
             )
         apply_update(model, optimizer, grads)
         nll.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1, optimizer, nll, before + time.perf_counter() - tic)
     model.eval()
     return {
         "demonstrations": len(comps),
-        "levels": dict(sorted(Counter(task.level for task in kept).items())),
+        "levels": dict(sorted(Counter(task.level for task in shown_tasks).items())),
         "nll": nll,
-        "seconds": time.perf_counter() - tic,
+        "seconds": before + time.perf_counter() - tic,
     }

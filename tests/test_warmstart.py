@@ -6,6 +6,8 @@ held-out evaluation and before the first GRPO step."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -145,6 +147,65 @@ def test_a_run_warms_up_after_the_base_evaluation(tiny_model_dir, tmp_path, monk
     assert all(mx.array_equal(x[k], y[k]).item() for k in x)
     assert cmd_train(["--resume", str(tmp_path / "r"), "--train.steps=8"]) == 0
     assert calls == [1]
+
+
+@pytest.mark.slow
+def test_a_kill_before_the_first_checkpoint_keeps_the_base_evaluation_and_warm_start(
+    tiny_model_dir, tmp_path
+):
+    """A run with a base evaluation and a 3-step warm start, killed -9 at each write
+    point in turn (MLX_GRPO_CRASH_AT, mlx_grpo/durable.py) until its step-0 checkpoint:
+    `--resume` ends in the uninterrupted run (metrics, samples, adapters, eval.jsonl,
+    the warm start's NLLs), and does not redo what was kept (the base evaluation once
+    its record and state were written, each warm-start step once its files were)."""
+    import subprocess
+    import sys
+
+    from test_trainer import _same_run
+
+    args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", "--train.sft_steps=3"]
+    args += ["--train.steps=1", "--train.eval_every=1", "--train.eval_tasks=3"]
+    args += ["--lora.dropout=0.1"]  # (the warm start draws its dropout masks from the seed)
+    args += [f"--output.dir={tmp_path}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def train(*extra, crash=None):
+        more = {"MLX_GRPO_CRASH_AT": str(crash)} if crash else {}
+        return subprocess.run(
+            [sys.executable, "-m", "mlx_grpo", "train", *extra],
+            env={**env, **more},
+            capture_output=True,
+            timeout=300,
+        )
+
+    assert train(*args, "--output.run=full").returncode == 0
+    full = tmp_path / "full"
+    kept_base, kept_steps, point = 0, set(), 0
+    while True:
+        point += 1
+        run = tmp_path / f"crash-{point}"
+        crashed = train(*args, f"--output.run={run.name}", crash=point)
+        assert crashed.returncode == 137, crashed.stdout.decode() + crashed.stderr.decode()
+        past = (run / "step-000000" / "state.json").exists()  # the last point to try
+        again = ["--resume", str(run)]
+        if not (run / "config.json").exists():  # killed before it: start again
+            again = [*args, f"--output.run={run.name}"]
+        resumed = train(*again)
+        said = resumed.stdout.decode() + resumed.stderr.decode()
+        assert resumed.returncode == 0 and "Traceback" not in said, (point, said)
+        kept_base += "kept from the start that was stopped" in said
+        kept_steps |= {int(k) for k in re.findall(r"continuing after its step (\d)", said)}
+        try:
+            _same_run(run, full)
+            assert (run / "eval.jsonl").read_text() == (full / "eval.jsonl").read_text()
+            nll = [json.loads((d / "warmstart.json").read_text())["nll"] for d in (run, full)]
+            assert nll[0] == nll[1]
+            assert not (run / "start.partial").exists()
+        except AssertionError as e:
+            raise AssertionError(f"killed at write point {point}: {e}") from None
+        if past:
+            break
+    assert kept_base > 0 and kept_steps == {1, 2}
 
 
 def _flat(model):
