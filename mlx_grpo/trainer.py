@@ -1040,10 +1040,11 @@ def _step_metrics(
 # GUARD_WINDOW steps that updated) for GUARD_STEPS steps in a row, once GUARD_WARMUP
 # steps are in (KL grows from 0 over the first twenty or so steps: it waits longer).
 # `entropy/reinforced` is watched on its own too: it is what the update teaches, while
-# `entropy` can be carried by a few long failures that the update pushes down.
-GUARDED = ("entropy", "entropy/reinforced", "kl")
+# `entropy` can be carried by a few long failures that the update pushes down; and
+# `entropy/sampled`, the policy's over every reply it sampled, whatever trains.
+GUARDED = ("entropy", "entropy/reinforced", "entropy/sampled", "kl")
 GUARD_CONTEXT = ("completion/len_mean", "curriculum/max_level")
-GUARD_WARMUP = {"entropy": 10, "entropy/reinforced": 10, "kl": 20}
+GUARD_WARMUP = {"entropy": 10, "entropy/reinforced": 10, "entropy/sampled": 10, "kl": 20}
 GUARD_WINDOW, GUARD_FACTOR, GUARD_STEPS = 20, 2.0, 3
 
 

@@ -685,22 +685,23 @@ def test_a_full_disk_while_logging_is_one_line(tiny_model_dir, tmp_path, monkeyp
     _same_run(run, tmp_path / "full")
 
 
-def test_guards_warn_when_entropy_stays_above_twice_its_recent_median():
+@pytest.mark.parametrize("key", ["entropy", "entropy/sampled"])
+def test_guards_warn_when_entropy_stays_above_twice_its_recent_median(key):
     from mlx_grpo.config import RunConfig
-    from mlx_grpo.trainer import Counters, _guards
+    from mlx_grpo.trainer import Counters, _guards, guard_key
 
     cfg, counters, said = RunConfig(), Counters(), []
     entropy = [1.0, 0.8, 1.2] * 4 + [2.5, 3.0, 1.5, 2.6, 2.7, 2.8]  # median of the first 12: 1.0
     logged = []
     for step, e in enumerate(entropy, 1):
-        m = {"entropy": e, "kl": 0.01, "completion/len_mean": 10.0 if step < 15 else 31.0}
+        m = {key: e, "kl": 0.01, "completion/len_mean": 10.0 if step < 15 else 31.0}
         _guards(step, m, counters, cfg, said.append)
-        logged.append(m.get("guard/entropy_x_median"))
+        logged.append(m.get(guard_key(key)))
     assert logged[:10] == [None] * 10  # no median before 10 steps
     assert logged[12] == pytest.approx(2.5 / 1.0)
     # 2.5, 3.0 then 1.5 breaks the streak; 2.6, 2.7, 2.8 is three in a row (the median
     # has risen a little by then, to 1.1 at most).
-    assert len(said) == 1 and said[0].startswith("step 18: entropy 2.8 has been above 2x"), said
+    assert len(said) == 1 and said[0].startswith(f"step 18: {key} 2.8 has been above 2x"), said
     assert "guard/kl_x_median" not in m  # KL waits 20 steps
     assert (
         "31" not in said[0] and "3.1x their usual length" in said[0] and "loss_type=dapo" in said[0]
