@@ -154,12 +154,13 @@ def test_training_continues_through_hostile_programs(tiny_model_dir, tmp_path, f
     assert cmd_train(args) == 0
     rows = [json.loads(x) for x in (tmp_path / "h" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    samples = [json.loads(x) for x in (tmp_path / "h" / "samples.jsonl").read_text().splitlines()]
     # 8 completions a step, programs in turn: one of each per step.
     for r in rows:
+        seen = [s.get("failure") for s in samples if s["step"] == r["step"]]  # (to read)
         for reason in ("cpu_time", "process", "memory", "exited", "forbidden_file", "network",
                        "output_limit"):  # fmt: skip
-            assert r[f"fail/{reason}"] == 1, (reason, r)
+            assert r[f"fail/{reason}"] == 1, (reason, r["step"], seen)
         assert r["reward/passes"] == pytest.approx(1 / 8)
         assert r["reward/errors"] == 0
-    samples = [json.loads(x) for x in (tmp_path / "h" / "samples.jsonl").read_text().splitlines()]
     assert {s.get("failure") for s in samples} >= {"cpu_time", "process", None}
