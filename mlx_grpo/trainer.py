@@ -367,7 +367,8 @@ def train(
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
     # A run stopped before its first checkpoint keeps what it had done (the base
     # evaluation, warm-start steps) when started again with the same settings.
-    kept = _kept_start(run, cfg) if resume_from is None and dist.size == 1 else None
+    settings = _start_settings(cfg)
+    kept = _kept_start(run, settings) if resume_from is None and dist.size == 1 else None
     go_on = cfg.output.on_full_disk == "continue"
     start, counters = _begin(
         dist, run, resume_from, model, optimizer, curriculum, say, kept and kept.get("base")
@@ -386,7 +387,7 @@ def train(
             info("held-out before training: kept from the start that was stopped")
         else:
             base = evaluate_fn(0, {"rollout_tokens": 0})
-            kept = {"settings": _start_settings(cfg), "base": base, "sft_step": 0}
+            kept = {"settings": settings, "base": base, "sft_step": 0}
             if dist.size == 1:
                 _keep_start(run, kept, None, None, go_on, say)
         trackers.log(0, base)
@@ -409,8 +410,7 @@ def train(
         `go_on`, a full disk costs only this checkpoint (`_save`)."""
         state = TrainState(step, counters.__dict__.copy(), curriculum.state_dict())
         args = (run_dir, step, model, optimizer, adapter_cfg, state, cfg.output.keep_last)
-        if dist.run_on_main(lambda: _save(args, go_on, say)):
-            dist.run_on_main(lambda: shutil.rmtree(run.start_dir, ignore_errors=True))
+        dist.run_on_main(lambda: _save(args, go_on, say))
 
     # The trackers close however the loop ends (a kill is what resuming mends).
     with trackers, _CtrlC(say, dist.size == 1) as ctrl_c:
@@ -420,7 +420,7 @@ def train(
 
             def keep(k: int, sft_optimizer, nll: list[float], seconds: float) -> None:
                 if dist.size == 1 and k < cfg.train.sft_steps:  # (step 0's checkpoint then)
-                    state = {"settings": _start_settings(cfg), "base": base, "sft_step": k}
+                    state = {"settings": settings, "base": base, "sft_step": k}
                     state.update(nll=nll, seconds=seconds)
                     _keep_start(run, state, model, sft_optimizer, go_on, say)
 
@@ -642,16 +642,27 @@ def train(
     return history
 
 
-def _save(args: tuple, go_on: bool, say) -> str:
-    """save_checkpoint(*args); with `go_on`, a full disk costs only this checkpoint."""
+def _unless_full_disk(write, go_on: bool, say, what: str):
+    """`write()`'s result; with `go_on`, a full disk (CheckpointError from one) costs only
+    this write: one line, and None."""
     try:
-        return str(save_checkpoint(*args))
+        return write()
     except CheckpointError as e:
         full = isinstance(e.__cause__, OSError) and e.__cause__.errno in FULL_DISK
         if not (go_on and full):
             raise
-        say(f"{e}; going on without this checkpoint (output.on_full_disk=continue)")
+        say(f"{e}; going on without {what} (output.on_full_disk=continue)")
+        return None
+
+
+def _save(args: tuple, go_on: bool, say) -> str:
+    """save_checkpoint(*args); with `go_on`, a full disk costs only this checkpoint. A
+    checkpoint written, the run's kept start (`start.partial`) is past."""
+    final = _unless_full_disk(lambda: save_checkpoint(*args), go_on, say, "this checkpoint")
+    if final is None:
         return ""
+    shutil.rmtree(RunFolder(args[0]).start_dir, ignore_errors=True)
+    return str(final)
 
 
 def _start_settings(cfg: RunConfig) -> dict:
@@ -662,25 +673,19 @@ def _start_settings(cfg: RunConfig) -> dict:
     return settings
 
 
-def _kept_start(run: RunFolder, cfg: RunConfig) -> dict | None:
-    """The kept start of a run (`checkpoint.save_start`) when its settings are this
-    run's, else None (and nothing of it is kept)."""
+def _kept_start(run: RunFolder, settings: dict) -> dict | None:
+    """The kept start of a run (`checkpoint.save_start`) when its settings are
+    `settings` (`_start_settings`), else None (and nothing of it is kept)."""
     kept = load_start(run.path)
-    if kept is None or kept.get("settings") != _start_settings(cfg):
+    if kept is None or kept.get("settings") != settings:
         shutil.rmtree(run.start_dir, ignore_errors=True)
         return None
     return kept
 
 
 def _keep_start(run: RunFolder, state: dict, model, optimizer, go_on: bool, say) -> None:
-    """`save_start`; with `go_on`, a full disk costs only this (as `_save`)."""
-    try:
-        save_start(run.path, state, model, optimizer)
-    except CheckpointError as e:
-        full = isinstance(e.__cause__, OSError) and e.__cause__.errno in FULL_DISK
-        if not (go_on and full):
-            raise
-        say(f"{e}; going on without it (output.on_full_disk=continue)")
+    """`save_start`; with `go_on`, a full disk costs only this (as a checkpoint)."""
+    _unless_full_disk(lambda: save_start(run.path, state, model, optimizer), go_on, say, "it")
 
 
 def _begin(
