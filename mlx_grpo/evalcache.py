@@ -39,6 +39,10 @@ FORMAT = 2
 TRANSIENT = frozenset({"timeout", "cpu_time", "crashed", "bad_report", "browser"})
 _SKIP_DIRS = {"__pycache__", "docs", ".pytest_cache"}
 _SMALL = 1 << 20  # files up to this size are keyed by their bytes
+# The keys of mx.device_info() that identify a device (CPU, Metal, CUDA).
+_CHIP_KEYS = frozenset(
+    {"device_name", "architecture", "compute_capability_major", "compute_capability_minor"}
+)
 
 
 def cache_dir() -> Path:
@@ -112,9 +116,12 @@ def _machine() -> dict:
     from mlx_grpo._blas import _cpu_signature, blas_in_use
 
     try:
-        device = mx.device_info()
+        info = mx.device_info()
     except Exception:  # older MLX, or a backend without it
-        device = None
+        info = {}
+    # What names the chip, not what it holds now: CUDA's device_info also reports
+    # free_memory, which differs on every call and would make every key new.
+    device = {k: info[k] for k in sorted(_CHIP_KEYS & set(info))} or None
     return {
         "cpu": _cpu_signature(),
         "blas": blas_in_use(),

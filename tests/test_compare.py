@@ -427,6 +427,26 @@ def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
     assert evalcache.load("k", ["t"])[0] == [wrong] and evalcache.load("k", ["u"]) is None
 
 
+def test_the_machine_in_a_key_names_the_chip_not_its_free_memory(monkeypatch):
+    """CUDA's device_info reports free_memory, which moves between any two calls: the
+    machine part of a key leaves it out, and keeps what names the device."""
+    import itertools
+
+    import mlx.core as mx
+
+    from mlx_grpo import evalcache
+
+    free = itertools.count(80 << 30, -(1 << 20))
+    chip = {"device_name": "NVIDIA H200", "architecture": "sm_90",
+            "compute_capability_major": 9, "compute_capability_minor": 0}  # fmt: skip
+    monkeypatch.setattr(mx, "device_info", lambda *a: {**chip, "free_memory": next(free),
+                                                       "total_memory": 150 << 30})  # fmt: skip
+    first, second = evalcache._machine(), evalcache._machine()
+    assert first == second and first["device_info"] == chip
+    chip["device_name"] = "NVIDIA H100"
+    assert evalcache._machine()["device_info"] != first["device_info"]
+
+
 def test_a_run_trained_with_the_episode_cut_is_evaluated_to_each_episodes_end(tiny_model_dir):
     """rollout.end_on_ill_formed is a training rule: the settings a compare takes from
     a run leave it out, as evaluation does."""
