@@ -36,7 +36,7 @@ from mlx_grpo.evaluate import TaskResult
 
 FORMAT = 2
 # Failure reasons that depend on load or timing, not on the reply alone.
-TRANSIENT = frozenset({"timeout", "cpu_time", "crashed", "bad_report", "browser"})
+TRANSIENT = frozenset({"timeout", "cpu_time", "crashed", "bad_report", "browser", "killed"})
 _SKIP_DIRS = {"__pycache__", "docs", ".pytest_cache"}
 _SMALL = 1 << 20  # files up to this size are keyed by their bytes
 # The keys of mx.device_info() that identify a device (CPU, Metal, CUDA).

@@ -130,6 +130,7 @@ SANDBOX_REASONS = (
     "exited",
     "crashed",
     "bad_report",
+    "killed",
 )
 
 
@@ -526,7 +527,10 @@ class Sandbox:
             rc = proc.returncode
             if self.tool == "bwrap" and rc is not None and rc > 128:
                 rc = 128 - rc  # bubblewrap's init exits 128 + n when the child dies of signal n
-            out = _outcome(rc, data, timed_out, overflow, len(job.inputs))
+            # The program has one thread, so its CPU seconds are at most the seconds
+            # since `tic`: RLIMIT_CPU's SIGKILL (at cpu_s + 1) cannot have come sooner.
+            hard_cpu = time.perf_counter() - tic >= lim.cpu_s + 1
+            out = _outcome(rc, data, timed_out, overflow, len(job.inputs), hard_cpu)
         finally:
             _kill_all(proc, uid)
             if proc is not None:
@@ -646,7 +650,15 @@ def _uid_alive(uid: int) -> bool:
     return bool(uid_processes(uid))
 
 
-def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int) -> Outcome:
+def _outcome(
+    rc: int,
+    data: bytes,
+    timed_out: bool,
+    overflow: bool,
+    n_calls: int,
+    hard_cpu: bool = True,
+) -> Outcome:
+    """`hard_cpu`: whether the program can have reached RLIMIT_CPU's hard limit."""
     if overflow:
         return Outcome(reason="output_limit", detail="report larger than the cap")
     if rc in VIOLATION_RC:  # the audit hook refused an operation and ended the process
@@ -661,8 +673,16 @@ def _outcome(rc: int, data: bytes, timed_out: bool, overflow: bool, n_calls: int
             return Outcome(reason="cpu_time", detail="RLIMIT_CPU")
         if rc == -signal.SIGXFSZ:
             return Outcome(reason="output_limit", detail="RLIMIT_FSIZE")
-        if rc == -signal.SIGKILL:  # RLIMIT_CPU hard limit, or the OOM killer
-            return Outcome(reason="cpu_time", detail="killed (SIGKILL)")
+        if rc == -signal.SIGKILL:
+            # RLIMIT_CPU's hard limit (a program that ignored SIGXCPU), or a kill from
+            # outside: the kernel's OOM killer when the machine runs out of memory.
+            if hard_cpu:
+                return Outcome(reason="cpu_time", detail="SIGKILL: RLIMIT_CPU (or the OOM killer)")
+            return Outcome(
+                reason="killed",
+                detail="SIGKILL from outside the sandbox before its CPU limit "
+                "(the OOM killer, most likely)",
+            )
         if rc == -signal.SIGSYS:
             return Outcome(reason="process", detail="a process, exec or namespace call (seccomp)")
         if rc in (97, 98):

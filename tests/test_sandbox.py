@@ -4,6 +4,7 @@ reward, and names its failure; the OS layers are also checked without the audit 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -625,3 +626,34 @@ def test_weak_isolation_must_be_asked_for(monkeypatch, capsys):
         sandbox_module.strong_isolation.cache_clear()
         if code_reward._SANDBOX is not None:
             code_reward._SANDBOX.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_kill_from_outside_is_not_blamed_on_the_cpu_limit(fast_sandbox):
+    """SIGKILL comes from RLIMIT_CPU's hard limit, to a program that ignored SIGXCPU, or
+    from outside the sandbox (the OOM killer; here this test). A kill sooner than the
+    hard limit's CPU seconds could have run out is the latter."""
+    spinner = (
+        "import signal\ndef f():\n    signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+        "    while True:\n        pass"
+    )
+    roomy = Sandbox(Limits(wall_s=20.0, cpu_s=1), workers=1)  # a loaded machine: 2 s of CPU
+    out = roomy.run([Job(spinner, "f", [[]])])[0]
+    assert out.reason == "cpu_time" and "SIGKILL" in out.detail, out
+
+    sleeper = "import time\ndef f():\n    time.sleep(30)"
+    killed: list[int] = []
+
+    def kill_it():
+        deadline = time.monotonic() + FAST.wall_s
+        while not killed and time.monotonic() < deadline:
+            for pid in _sandboxed_pids(under=os.getpid()):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_it)
+    killer.start()
+    out = fast_sandbox.run([Job(sleeper, "f", [[]])])[0]
+    killer.join()
+    assert killed and out.reason == "killed" and "outside" in out.detail, (killed, out)
