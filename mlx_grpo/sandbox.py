@@ -116,7 +116,8 @@ class Outcome:
     seconds: float = 0.0
 
 
-# Reasons that mean the program broke a rule or a limit, not merely a wrong answer.
+# Reasons that mean the program broke a rule or a limit, or was stopped from outside
+# (`killed`), not merely a wrong answer.
 SANDBOX_REASONS = (
     "timeout",
     "cpu_time",
@@ -527,9 +528,11 @@ class Sandbox:
             rc = proc.returncode
             if self.tool == "bwrap" and rc is not None and rc > 128:
                 rc = 128 - rc  # bubblewrap's init exits 128 + n when the child dies of signal n
-            # The program has one thread, so its CPU seconds are at most the seconds
-            # since `tic`: RLIMIT_CPU's SIGKILL (at cpu_s + 1) cannot have come sooner.
-            hard_cpu = time.perf_counter() - tic >= lim.cpu_s + 1
+            # Under seccomp the program has one thread, so its CPU seconds are at most
+            # the seconds since `tic`: RLIMIT_CPU's SIGKILL (at cpu_s + 1) cannot have
+            # come sooner. Elsewhere threads can outrun the clock: no telling.
+            elapsed = time.perf_counter() - tic
+            hard_cpu = not payload["seccomp"] or elapsed >= lim.cpu_s + 1
             out = _outcome(rc, data, timed_out, overflow, len(job.inputs), hard_cpu)
         finally:
             _kill_all(proc, uid)
