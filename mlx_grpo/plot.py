@@ -1,8 +1,9 @@
 """`python -m mlx_grpo plot checkpoints/<run>`: one PNG of a run's metrics.jsonl.
 
 Four panels over steps: the reward and each of its components (smoothed), held-out
-figures (when `train.eval_every` was set), KL to the reference, and the share of
-each level in the tasks the curriculum drew.
+figures (when `train.eval_every` was set), KL to the reference with the policy's
+entropy (over the update's tokens, and over every token the rollout sampled), and the
+share of each level in the tasks the curriculum drew.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ import numpy as np
 
 from mlx_grpo.durable import read_jsonl
 from mlx_grpo.runfolder import RunFolder
+
+# The third panel's lines: metrics.jsonl key, legend label.
+KL_AND_ENTROPY = (
+    ("kl", "KL to reference"),
+    ("entropy", "entropy of the update's tokens"),
+    ("entropy/sampled", "entropy of every sampled token"),
+)
 
 
 class PlotError(ValueError):
@@ -108,11 +116,11 @@ def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
         ax.legend(fontsize=8)
 
     ax = axes[1, 0]
-    for k, label in (("kl", "KL to reference"), ("entropy", "entropy")):
+    for k, label in KL_AND_ENTROPY:
         s, v = _series(rows, k)
         if len(s):
             ax.plot(s, _smooth(v, smooth), label=label)
-    ax.set_title("KL and entropy (per token)" if ax.lines else "KL and entropy: no update yet")
+    ax.set_title("KL and entropy (per token)" if ax.lines else "KL and entropy: not logged yet")
     ax.set_xlabel("step")
     if ax.lines:
         ax.legend(fontsize=8)

@@ -322,6 +322,30 @@ def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path):
     assert cmd_plot([str(tmp_path / "nothing")]) == 2
 
 
+def test_the_plot_draws_kl_and_both_entropies_from_the_log(tmp_path, monkeypatch):
+    """The KL panel has one line per logged series, with the logged values (smoothing
+    off), and leaves out what a run did not log."""
+    import matplotlib.figure
+
+    from mlx_grpo.plot import plot_run
+    from mlx_grpo.runfolder import RunFolder
+
+    rows = [{"step": i + 1, "reward/mean": 0.1 * i, "kl": 0.01 * i, "entropy/sampled": 0.5 + i}
+            for i in range(4)]  # fmt: skip
+    rows[2]["entropy"] = 0.25  # one step that trained
+    RunFolder(tmp_path).metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_run(tmp_path, smooth=1)
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata()))
+             for ln in saved[0].axes[2].get_lines()}  # fmt: skip
+    assert lines == {
+        "KL to reference": ([1, 2, 3, 4], [0.0, 0.01, 0.02, 0.03]),
+        "entropy of the update's tokens": ([3], [0.25]),
+        "entropy of every sampled token": ([1, 2, 3, 4], [0.5, 1.5, 2.5, 3.5]),
+    }
+
+
 def test_a_reply_ends_at_its_first_line_break_under_stop_at_newline(tiny):
     """The sampler alternates 'A' and a line break: with `stop_at_newline` every turn
     stops at its first break (kept in the tokens, the env sees the line before it, the
