@@ -14,8 +14,9 @@ An entry is found only under a key made of everything that decides the results:
   evaluation reads, every task, and the sampling settings.
 A side is not kept when any of that cannot be read or is not plain data, nor when a
 reward raised or a sample failed for a reason that depends on the moment (a time
-limit, a crashed sandbox or browser, a kill from outside). Entries live in `$MLX_GRPO_CACHE/evals` (by
-default ~/.cache/mlx-grpo/evals); `compare --no-cache` evaluates anew and replaces them.
+limit, a crashed sandbox or browser, a kill from outside). Entries live in
+`$MLX_GRPO_CACHE/evals` (by default ~/.cache/mlx-grpo/evals); `compare --no-cache`
+evaluates anew and replaces them.
 What a recipe reads from outside these (a judge model's files, the browser binary) is
 not in the key: after changing those, use `--no-cache`.
 """

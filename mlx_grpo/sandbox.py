@@ -659,7 +659,7 @@ def _outcome(
     timed_out: bool,
     overflow: bool,
     n_calls: int,
-    hard_cpu: bool = True,
+    hard_cpu: bool,
 ) -> Outcome:
     """`hard_cpu`: whether the program can have reached RLIMIT_CPU's hard limit."""
     if overflow:
