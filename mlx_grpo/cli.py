@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mlx_grpo.checkpoint import CheckpointError
 from mlx_grpo.config import ConfigError, RunConfig, build_config, config_help, parse_overrides
-from mlx_grpo.durable import FULL_DISK
+from mlx_grpo.durable import FULL_DISK, check_writable
 from mlx_grpo.recipe import recipe_defaults
 from mlx_grpo.runfolder import RunFolder, step_of
 
@@ -138,8 +138,25 @@ def cmd_train(argv: list[str]) -> int:
 
     dist = Dist()
     cfg, run_dir, resume_from = _shared_config(dist, argv)
+    done = step_of(resume_from.name) if resume_from else 0
+    if done > cfg.train.steps:
+        raise ConfigError(
+            f"train.steps: {cfg.train.steps} is below step {done}, where {run_dir} stands "
+            "(a resume continues up to train.steps)"
+        )
+    if done and done == cfg.train.steps:
+        print(
+            f"{run_dir} has all its {done} steps; nothing to train (raise --train.steps "
+            "to continue it)",
+            file=sys.stderr,
+        )
+        return 0
     if dist.is_main:
         require_trackers(cfg.output.report_to)
+        try:  # before the model loads (the run writes its config.json once it starts)
+            check_writable(run_dir)
+        except OSError as e:
+            raise ConfigError(f"output.dir: cannot write in {run_dir} ({e.strerror})") from None
     mx.random.seed(cfg.train.seed)
     recipe = Recipe.from_config(cfg.recipe)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
@@ -151,8 +168,6 @@ def cmd_train(argv: list[str]) -> int:
         load_init_adapter(model, cfg.model.init_adapter)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps * cfg.grpo.num_iterations)
 
-    if dist.is_main:
-        RunFolder(run_dir).write_config(cfg)
     adapter_cfg = adapter_config(cfg.lora, model, cfg.model.path)
     _check_ranks_agree(dist, len(train_tasks), trainable_count(model))
 
@@ -165,9 +180,8 @@ def cmd_train(argv: list[str]) -> int:
             model, tokenizer, recipe, eval_tasks, cfg.rollout, RunFolder(run_dir).eval_file
         )
 
-    start = step_of(resume_from.name) if resume_from else 0
     live = cfg.output.live if dist.is_main else "no"
-    display = Display(cfg.train.steps, start, live, f"{cfg.recipe.name} -> {run_dir}")
+    display = Display(cfg.train.steps, done, live, f"{cfg.recipe.name} -> {run_dir}")
     device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({blas_in_use()})"
     ranks = f"; {dist.size} ranks (data-parallel)" if dist.size > 1 else ""
     if dist.is_main:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from mlx_grpo import evalcache
 from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
+from mlx_grpo.durable import check_writable
 from mlx_grpo.evaluate import TaskResult
 from mlx_grpo.recipe import Recipe, Task, recipe_defaults, recipe_dir
 from mlx_grpo.report import (
@@ -248,6 +249,13 @@ def run_compare(argv: list[str], console=None) -> dict:
     a = resolve_side("a", args.a, args.a_adapter)
     b = resolve_side("b", args.b, args.b_adapter)
     cfg = resolve_eval_config(args.recipe, overrides, [a, b])
+    out = args.out or (
+        b.run_dir / "compare" if b.run_dir else Path(time.strftime("compare-%Y%m%d-%H%M%S"))
+    )
+    try:  # before any evaluation
+        check_writable(out)
+    except OSError as e:
+        raise CompareError(f"--out: cannot write in {out} ({e.strerror})") from None
     recipe = Recipe.from_config(cfg.recipe)
     tasks = recipe.tasks("eval", args.n_tasks or cfg.recipe.eval_size, args.seed)
     if not args.allow_tokenizer_mismatch:
@@ -338,9 +346,6 @@ def run_compare(argv: list[str], console=None) -> dict:
             for ra, rb in zip(results["a"], results["b"])
         ],
     }
-    out = args.out or (
-        b.run_dir / "compare" if b.run_dir else Path(time.strftime("compare-%Y%m%d-%H%M%S"))
-    )
     written = write_outputs(data, report, out, b.adapter if b.run_dir else None, console)
     console.print(f"wrote {', '.join(map(str, written))}", highlight=False)
     return data

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 from pathlib import Path
 
 # The errnos of a write that found no room: a full disk, or a quota reached.
@@ -80,6 +81,21 @@ def _write_synced(path: Path, data: bytes, flags: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable(folder: Path) -> None:
+    """OSError unless a file can be made in `folder` (created with its parents for the
+    trial, and removed again if it was made for it)."""
+    folder = Path(folder)
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    finally:
+        for p in made:
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:

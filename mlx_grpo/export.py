@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from mlx_grpo.checkpoint import CheckpointError, load_arrays
 from mlx_grpo.config import ConfigError, RunConfig, build_config
 from mlx_grpo.model_card import Compare, hub_id, model_card
 from mlx_grpo.runfolder import RunFolder, step_of
@@ -178,7 +179,10 @@ def read_run(path: Path, adapters: bool = True) -> Run:
             raise ExportError(
                 f"{path / 'adapter_config.json'}: lora_parameters needs rank and scale"
             )
-        weights = mx.load(str(file))
+        try:
+            weights = load_arrays(file)
+        except CheckpointError as e:
+            raise ExportError(str(e).removeprefix("checkpoint: ")) from None
     return Run(
         name=run_dir.name,
         run_dir=run_dir,
@@ -491,8 +495,11 @@ def export(
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"--out: {out} exists and is not empty (add --force to replace it)")
     model_dtype = "float32" if dtype == "auto" else dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
+    except OSError as e:
+        raise ExportError(f"--out: cannot write in {out.parent} ({e.strerror})") from None
     try:
         if fmt == "peft":
             files, upload = _write_peft(run, tmp, out, base_model, dtype, repo_id), out

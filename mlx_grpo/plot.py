@@ -139,6 +139,10 @@ def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
     ax.set_title("levels drawn by the curriculum")
     ax.set_xlabel("step")
 
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise PlotError(f"--out: cannot write {out} ({e.strerror})") from None
+    finally:
+        plt.close(fig)
     return out

@@ -120,6 +120,10 @@ class Recipe:
         self.module = _load_module(self.dir, need_tasks=self.tasks_file is None)
         self.reward_fns = {k: load_function(v, self.dir, k) for k, v in (rewards or {}).items()}
         self.own_reward = self.module is not None and callable(getattr(self.module, "reward", None))
+        for fn_name in ("reward", "reward_batch"):
+            if self.module is not None and callable(fn := getattr(self.module, fn_name, None)):
+                want = "(tasks, groups)" if fn_name == "reward_batch" else "(task, completion)"
+                _check_arity(fn, want, f"recipe: {self.dir / 'tasks.py'}: {fn_name}")
         if not self.own_reward and not self.reward_fns:
             where = self.dir / "tasks.py" if self.module is not None else self.dir
             raise ConfigError(
@@ -365,7 +369,23 @@ def load_function(spec: str, folder: Path, field_name: str = "reward"):
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"recipe.rewards.{field_name}: {target} has no function {attr}")
+    if not _is_trl(fn):
+        what = f"recipe.rewards.{field_name}: {spec}"
+        _check_arity(fn, "(task, completion)", what, " (or TRL's (completions, **kwargs))")
     return fn
+
+
+def _check_arity(fn, want: str, what: str, also: str = "") -> None:
+    """ConfigError unless `fn` can be called with the positional arguments `want` names
+    ('(task, completion)'); a function whose signature cannot be read passes."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*range(want.count(",") + 1))
+    except TypeError:
+        raise ConfigError(f"{what} takes {sig}; a reward takes {want}{also}") from None
 
 
 def _short_hash(text: str) -> str:
@@ -373,11 +393,27 @@ def _short_hash(text: str) -> str:
 
 
 def _import_path(path: Path, mod_name: str) -> ModuleType:
+    """Import a recipe's own Python file; one that does not import (a syntax error, a
+    missing package, an exception at import) is a ConfigError naming its file and line."""
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        why = e.msg if isinstance(e, SyntaxError) else e
+        raise ConfigError(f"recipe: {_where(e, path)}: {type(e).__name__}: {why}") from None
     return module
+
+
+def _where(e: Exception, path: Path) -> str:
+    """'file:line' of the error in `path` (a syntax error's own, else the innermost frame
+    in that file), or the file alone."""
+    if isinstance(e, SyntaxError) and e.filename and e.lineno:
+        return f"{e.filename}:{e.lineno}"
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+    return f"{path}:{lines[-1]}" if lines else str(path)
 
 
 def jsonl_tasks(path: Path, split: str, n: int, seed: int, eval_share: int = 10) -> list[Task]:

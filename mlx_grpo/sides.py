@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_grpo.checkpoint import CheckpointError, load_arrays
 from mlx_grpo.config import ConfigError, ModelConfig, RunConfig, build_config
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.runfolder import RunFolder
@@ -67,6 +68,10 @@ def _check_adapter(path: Path, what: str) -> None:
     missing = [f for f in names if not (path / f).exists()]
     if missing:
         raise CompareError(f"{what}: {path} has no {' or '.join(missing)}")
+    try:  # read now: a torn file must not stop the command after side A's evaluation
+        load_arrays(path / RunFolder.ADAPTERS)
+    except CheckpointError as e:
+        raise CompareError(f"{what}: {str(e).removeprefix('checkpoint: ')}") from None
 
 
 def _looks_local(spec: str) -> bool:

@@ -373,6 +373,8 @@ def train(
     start, counters = _begin(
         dist, run, resume_from, model, optimizer, curriculum, say, kept and kept.get("base")
     )
+    if main:  # (a resume's once its checkpoint has loaded: one that fails changes nothing)
+        run.write_config(cfg)
     if counters.entropy_coef is None:  # a new run, or one from before the option
         counters.entropy_coef = cfg.grpo.entropy_coef
     if counters.beta is None or cfg.grpo.kl_target is None:  # new, older, or a fixed beta

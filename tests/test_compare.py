@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -319,12 +320,12 @@ def _fake_run(folder: Path, recipe: Path) -> Path:
     folder.mkdir(parents=True)
     cfg = build_config(recipe_defaults(str(recipe)))
     (folder / "config.json").write_text(cfg.model_dump_json())
-    (folder / "adapters.safetensors").write_bytes(b"")
+    mx.save_safetensors(str(folder / "adapters.safetensors"), {"a": mx.zeros(1)})
     (folder / "adapter_config.json").write_text("{}")
     return folder
 
 
-def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
+def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
     from conftest import make_tiny_model
 
     other = make_tiny_model(tmp_path / "other")
@@ -345,6 +346,29 @@ def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
         "compare takes only": ["--a", m, "--b", m, "--recipe", str(TOY), "--train.steps=3"],
         "no component 'nope'": ["--a", m, "--b", m, "--recipe", str(TOY), "--n-tasks", "1",
                                 "--success-key", "nope", "--out", str(tmp_path / "x")],
+    }  # fmt: skip
+    for want, argv in cases.items():
+        with pytest.raises(SystemExit) as e:
+            cmp.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (want, err)
+        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (want, err)
+
+    # Refused before side A is evaluated: an --out where nothing can be written, a torn
+    # adapters file.
+    (tmp_path / "file").write_text("")
+    torn = _fake_run(tmp_path / "torn", TOY) / "adapters.safetensors"
+    torn.write_bytes(torn.read_bytes()[:20])
+
+    def evaluate_side(*a, **k):
+        raise AssertionError("evaluated")
+
+    monkeypatch.setattr(cmp, "evaluate_side", evaluate_side)
+    cases = {
+        f"--out: cannot write in {tmp_path / 'file' / 'x'}": [
+            "--a", m, "--b", m, "--recipe", str(TOY), "--no-cache",
+            "--out", str(tmp_path / "file" / "x")],
+        f"--b {torn.parent}: {torn} is unreadable": ["--a", m, "--b", str(torn.parent)],
     }  # fmt: skip
     for want, argv in cases.items():
         with pytest.raises(SystemExit) as e:

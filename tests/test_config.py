@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import pytest
 
 from mlx_grpo.config import ConfigError, build_config, parse_overrides
@@ -98,3 +102,52 @@ def test_one_command_lists_every_option_of_every_section(capsys):
         with pytest.raises(SystemExit) as exit_:
             main([cmd, "--help"])
         assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize(
+    "recipe, file, source, where, said",
+    [
+        ("toy", "tasks.py", "def make_tasks(split, n, seed:\n", "tasks.py:1", "SyntaxError"),
+        ("toy", "tasks.py", "x = 1\nraise RuntimeError('boom')\n", "tasks.py:2", "boom"),
+        ("capitals", "rewards.py", "import no_such_module_here\n", "rewards.py:1", "no_such"),
+    ],
+)
+def test_a_recipe_file_that_does_not_import_is_one_line_naming_it(
+    tmp_path, recipe, file, source, where, said
+):
+    from mlx_grpo.recipe import Recipe
+
+    folder = tmp_path / recipe
+    shutil.copytree(DATA / recipe, folder)
+    (folder / file).write_text(source)
+    cfg = build_config(recipe_defaults(str(folder)))
+    with pytest.raises(ConfigError) as e:
+        Recipe.from_config(cfg.recipe)
+    msg = str(e.value)
+    assert f"{folder / where}:" in msg and said in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    "recipe, file, source, field",
+    [
+        ("capitals", "rewards.py", "def correct(completions, **kw): ...\ndef brevity(x): ...\n",
+         "recipe.rewards.brevity: rewards.py:brevity takes (x)"),
+        ("toy", "tasks.py", "def make_tasks(split, n, seed): ...\ndef reward(task): ...\n",
+         "tasks.py: reward takes (task)"),
+    ],
+)  # fmt: skip
+def test_a_reward_that_cannot_take_its_arguments_is_refused_at_load(
+    tmp_path, recipe, file, source, field
+):
+    from mlx_grpo.recipe import Recipe
+
+    folder = tmp_path / recipe
+    shutil.copytree(DATA / recipe, folder)
+    cfg = build_config(recipe_defaults(str(folder)))
+    Recipe.from_config(cfg.recipe)  # the recipe as it is loads
+    (folder / file).write_text(source)
+    with pytest.raises(ConfigError, match=re.escape(field) + ".*a reward takes"):
+        Recipe.from_config(cfg.recipe)

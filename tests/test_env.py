@@ -320,6 +320,8 @@ def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path):
     png = (tmp_path / "p" / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert cmd_plot([str(tmp_path / "nothing")]) == 2
+    (tmp_path / "file").write_text("")
+    assert cmd_plot([str(tmp_path / "p"), "--out", str(tmp_path / "file" / "m.png")]) == 2
 
 
 def test_the_plot_draws_kl_and_both_entropies_from_the_log(tmp_path, monkeypatch):

@@ -490,6 +490,25 @@ def test_export_errors_are_one_line(tiny_model_dir, tmp_path, capsys, setup, arg
     assert not (tmp_path / "out").exists()
 
 
+def test_a_torn_adapter_or_an_out_that_cannot_be_made_is_one_line(tiny_model_dir, tmp_path, capsys):
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(run), "--format", "peft", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --out: cannot write in {tmp_path / 'file'}")
+    adapters = run / "adapters.safetensors"
+    adapters.write_bytes(adapters.read_bytes()[:100])
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(run), "--format", "peft", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {adapters} is unreadable")
+    assert not (tmp_path / "out").exists()
+
+
 def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):
     run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
     (tmp_path / "out").mkdir()

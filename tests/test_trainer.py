@@ -524,6 +524,7 @@ def test_a_damaged_checkpoint_is_one_line(tiny_model_dir, tmp_path, damage, caps
         (run / "latest").write_text('{"step_dir": "step-000099", "step": 99}')
     else:
         (run / "config.json").write_text("{")
+    config = (run / "config.json").read_bytes()
     from mlx_grpo.cli import main
 
     with pytest.raises(SystemExit) as exit_:
@@ -536,6 +537,7 @@ def test_a_damaged_checkpoint_is_one_line(tiny_model_dir, tmp_path, damage, caps
         assert code == 0 and "names step-000099, which is missing" in said
         return
     assert code != 0
+    assert (run / "config.json").read_bytes() == config  # (not the failed resume's steps=3)
     file = {
         "adapters_truncated": "adapters.safetensors",
         "optimizer_garbage": "optimizer.safetensors",
@@ -544,6 +546,43 @@ def test_a_damaged_checkpoint_is_one_line(tiny_model_dir, tmp_path, damage, caps
     }[damage]
     lines = [x for x in said.splitlines() if file in x]
     assert len(lines) == 1 and lines[0].startswith("error:"), said
+
+
+def test_a_resume_to_fewer_steps_than_done_is_refused_and_to_as_many_does_nothing(
+    tiny_model_dir, tmp_path, capsys
+):
+    from mlx_grpo.cli import main
+
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "r", "--train.steps=2")) == 0
+    run = tmp_path / "r"
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for steps, code, said in [
+        (1, 2, "error: train.steps: 1 is below step 2"),
+        (2, 0, f"{run} has all its 2 steps; nothing to train"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "--resume", str(run), f"--train.steps={steps}"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == code and err.startswith(said) and err.count("\n") == 1, err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_line_before_the_model_loads(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    import mlx_grpo.models
+    from mlx_grpo.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mlx_grpo.models, "load_model", no_load)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *_args(tiny_model_dir, tmp_path / "file", "r")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: output.dir: cannot write in {tmp_path / 'file' / 'r'}")
 
 
 def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tiny_model_dir, tmp_path):
