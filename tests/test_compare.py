@@ -325,6 +325,16 @@ def _fake_run(folder: Path, recipe: Path) -> Path:
     return folder
 
 
+def _refused(cases: dict[str, list[str]], capsys) -> None:
+    """Each argv of `cases` exits with status 2 and one line on stderr holding its key."""
+    for want, argv in cases.items():
+        with pytest.raises(SystemExit) as e:
+            cmp.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (want, err)
+        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (want, err)
+
+
 def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
     from conftest import make_tiny_model
 
@@ -347,12 +357,7 @@ def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
         "no component 'nope'": ["--a", m, "--b", m, "--recipe", str(TOY), "--n-tasks", "1",
                                 "--success-key", "nope", "--out", str(tmp_path / "x")],
     }  # fmt: skip
-    for want, argv in cases.items():
-        with pytest.raises(SystemExit) as e:
-            cmp.main(argv)
-        err = capsys.readouterr().err
-        assert e.value.code == 2, (want, err)
-        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (want, err)
+    _refused(cases, capsys)
 
     # Refused before side A is evaluated: an --out where nothing can be written, a torn
     # adapters file.
@@ -370,12 +375,7 @@ def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
             "--out", str(tmp_path / "file" / "x")],
         f"--b {torn.parent}: {torn} is unreadable": ["--a", m, "--b", str(torn.parent)],
     }  # fmt: skip
-    for want, argv in cases.items():
-        with pytest.raises(SystemExit) as e:
-            cmp.main(argv)
-        err = capsys.readouterr().err
-        assert e.value.code == 2, (want, err)
-        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (want, err)
+    _refused(cases, capsys)
 
     # And through `python -m`: one line on stderr, exit status 2.
     proc = subprocess.run(
