@@ -632,6 +632,8 @@ def _parse_value(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
+        if text.lstrip().startswith(("{", "[")):  # meant as JSON: say where it breaks
+            raise
         return text
 
 
@@ -653,7 +655,10 @@ def parse_overrides(args: list[str]) -> dict:
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = _parse_value(value)
+        try:
+            node[leaf] = _parse_value(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--{key}: not valid JSON ({e.msg} at column {e.colno})") from None
         i += 1
     return out
 

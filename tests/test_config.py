@@ -56,6 +56,7 @@ def test_layers_apply_in_order(tmp_path):
         (["--grpo.epsilon=0.3", "--grpo.epsilon_high=0.1"], "grpo.epsilon_high"),
         (["--grpo.beta=0", "--grpo.kl_target=0.1"], "grpo.kl_target needs grpo.beta > 0"),
         (["--grpo.kl_target=0"], "grpo.kl_target"),
+        (['--recipe.params={"levels": [1, 2}'], "--recipe.params: not valid JSON (Expecting"),
         (
             ['--recipe.weights={"success": 1.0, "format": 0.2}', "--grpo.signal_component=sucess"],
             "grpo.signal_component: 'sucess' is not one of the recipe's reward components "
