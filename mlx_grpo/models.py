@@ -55,6 +55,13 @@ def load_model(cfg: ModelConfig):
         raise ModelLoadError(f"model.path: {path} does not exist (and is not a Hub repo id)")
     if local.exists() and not (local / "config.json").exists():
         raise ModelLoadError(f"model.path: {path} has no config.json (not an MLX/HF model folder)")
+    if local.exists():
+        try:
+            json.loads((local / "config.json").read_text())
+        except ValueError as e:
+            raise ModelLoadError(
+                f"model.path: {local / 'config.json'}: not valid JSON ({e})"
+            ) from None
     try:
         model, tokenizer = load(path)
     except FileNotFoundError as e:

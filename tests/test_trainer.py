@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -195,6 +196,17 @@ def test_missing_model_is_one_clear_line(tmp_path):
 
     with pytest.raises(ModelLoadError, match=r"^model.path: /nonexistent/m does not exist"):
         cmd_train(_args("/nonexistent/m", tmp_path, "x"))
+
+
+def test_a_model_whose_config_is_not_json_is_one_line_naming_it(tiny_model_dir, tmp_path):
+    from mlx_grpo.models import ModelLoadError
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text('{"model_type": "llama",')
+    said = f"model.path: {model / 'config.json'}: not valid JSON"
+    with pytest.raises(ModelLoadError, match="^" + re.escape(said)):
+        cmd_train(_args(model, tmp_path, "x"))
 
 
 def test_missing_embedded_model_package_is_one_clear_line(tmp_path, monkeypatch):
