@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_grpo.checkpoint import CheckpointError
+from mlx_grpo.checkpoint import CheckpointError, publish_adapters
 from mlx_grpo.config import ConfigError, RunConfig, build_config, config_help, parse_overrides
 from mlx_grpo.durable import FULL_DISK, check_writable
 from mlx_grpo.recipe import recipe_defaults
@@ -145,18 +145,24 @@ def cmd_train(argv: list[str]) -> int:
             "(a resume continues up to train.steps)"
         )
     if done and done == cfg.train.steps:
+        # (what a resume redoes in any case: a kill may have come between `latest` and
+        # the run folder's copy of the last adapters)
+        dist.run_on_main(lambda: publish_adapters(resume_from))
         print(
             f"{run_dir} has all its {done} steps; nothing to train (raise --train.steps "
             "to continue it)",
             file=sys.stderr,
         )
         return 0
-    if dist.is_main:
+
+    def check_output() -> None:  # before the model loads (config.json comes once it starts)
         require_trackers(cfg.output.report_to)
-        try:  # before the model loads (the run writes its config.json once it starts)
+        try:
             check_writable(run_dir)
         except OSError as e:
             raise ConfigError(f"output.dir: cannot write in {run_dir} ({e.strerror})") from None
+
+    dist.run_on_main(check_output)
     mx.random.seed(cfg.train.seed)
     recipe = Recipe.from_config(cfg.recipe)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)

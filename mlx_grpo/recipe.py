@@ -121,7 +121,8 @@ class Recipe:
         self.reward_fns = {k: load_function(v, self.dir, k) for k, v in (rewards or {}).items()}
         self.own_reward = self.module is not None and callable(getattr(self.module, "reward", None))
         for fn_name in ("reward", "reward_batch"):
-            if self.module is not None and callable(fn := getattr(self.module, fn_name, None)):
+            fn = getattr(self.module, fn_name, None) if self.module is not None else None
+            if callable(fn) and not (fn_name == "reward" and _is_trl(fn)):
                 want = "(tasks, groups)" if fn_name == "reward_batch" else "(task, completion)"
                 _check_arity(fn, want, f"recipe: {self.dir / 'tasks.py'}: {fn_name}")
         if not self.own_reward and not self.reward_fns:
@@ -364,8 +365,10 @@ def load_function(spec: str, folder: Path, field_name: str = "reward"):
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as e:
-            raise ConfigError(f"recipe.rewards.{field_name}: cannot import {target}: {e}") from None
+        except Exception as e:  # not found, or a module that fails as it imports
+            raise ConfigError(
+                f"recipe.rewards.{field_name}: cannot import {target}: {_first_line(e)}"
+            ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"recipe.rewards.{field_name}: {target} has no function {attr}")
@@ -379,7 +382,7 @@ def _check_arity(fn, want: str, what: str, also: str = "") -> None:
     """ConfigError unless `fn` can be called with the positional arguments `want` names
     ('(task, completion)'); a function whose signature cannot be read passes."""
     try:
-        sig = inspect.signature(fn)
+        sig = inspect.signature(fn, follow_wrapped=False)  # (what a decorator takes)
     except (TypeError, ValueError):
         return
     try:
@@ -401,10 +404,15 @@ def _import_path(path: Path, mod_name: str) -> ModuleType:
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        del sys.modules[mod_name]
-        why = e.msg if isinstance(e, SyntaxError) else e
-        raise ConfigError(f"recipe: {_where(e, path)}: {type(e).__name__}: {why}") from None
+        sys.modules.pop(mod_name, None)
+        raise ConfigError(f"recipe: {_where(e, path)}: {_first_line(e)}") from None
     return module
+
+
+def _first_line(e: Exception) -> str:
+    """'SyntaxError: invalid syntax', 'ModuleNotFoundError: No module named 'x''."""
+    text = (e.msg if isinstance(e, SyntaxError) else str(e)).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def _where(e: Exception, path: Path) -> str:

@@ -152,3 +152,35 @@ def test_a_reward_that_cannot_take_its_arguments_is_refused_at_load(
     (folder / file).write_text(source)
     with pytest.raises(ConfigError, match=re.escape(field) + ".*a reward takes"):
         Recipe.from_config(cfg.recipe)
+
+
+def test_rewards_of_every_documented_shape_load(tmp_path):
+    """TRL's signature in tasks.py, a decorator that supplies an argument, a partial,
+    a callable object, defaults and *args all pass the check at load."""
+    from mlx_grpo.recipe import Recipe
+
+    folder = tmp_path / "capitals"
+    shutil.copytree(DATA / "capitals", folder)
+    (folder / "rewards.py").write_text(
+        "import functools\n"
+        "def judged(f):\n"
+        "    @functools.wraps(f)\n"
+        "    def w(task, completion):\n"
+        "        return f(task, completion, 'judge')\n"
+        "    return w\n"
+        "@judged\n"
+        "def correct(task, completion, judge): return 1.0\n"
+        "class Brevity:\n"
+        "    def __call__(self, task, completion, scale=1.0): return scale\n"
+        "brevity = Brevity()\n"
+        "def many(*args): return 0.0\n"
+        "partial = functools.partial(lambda task, completion, k: 0.0, k=1)\n"
+    )
+    rewards = {k: f"rewards.py:{k}" for k in ("correct", "brevity", "many", "partial")}
+    cfg = build_config(recipe_defaults(str(folder)), None, {"recipe": {"rewards": rewards}})
+    assert set(Recipe.from_config(cfg.recipe).reward_fns) == set(rewards)
+    toy = tmp_path / "toy"
+    shutil.copytree(DATA / "toy", toy)
+    with open(toy / "tasks.py", "a") as f:
+        f.write("\ndef reward(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    assert Recipe.from_config(build_config(recipe_defaults(str(toy))).recipe).own_reward

@@ -311,7 +311,7 @@ def test_a_run_that_ends_episodes_at_ill_formed_replies_logs_how_many(tiny_model
     assert any(r["episodes/ended_ill_formed"] > 0 for r in rows)
 
 
-def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path):
+def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path, capsys):
     from mlx_grpo.cli import cmd_plot
 
     args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", f"--output.dir={tmp_path}"]
@@ -321,7 +321,10 @@ def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert cmd_plot([str(tmp_path / "nothing")]) == 2
     (tmp_path / "file").write_text("")
+    capsys.readouterr()
     assert cmd_plot([str(tmp_path / "p"), "--out", str(tmp_path / "file" / "m.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out: cannot write {tmp_path / 'file' / 'm.png'} (Not a directory)\n"
 
 
 def test_the_plot_draws_kl_and_both_entropies_from_the_log(tmp_path, monkeypatch):

@@ -563,11 +563,14 @@ def test_a_damaged_checkpoint_is_one_line(tiny_model_dir, tmp_path, damage, caps
 def test_a_resume_to_fewer_steps_than_done_is_refused_and_to_as_many_does_nothing(
     tiny_model_dir, tmp_path, capsys
 ):
+    """Nothing is trained or rewritten, but what any resume mends is: here the run
+    folder's adapters, as a kill between `latest` and their copy leaves them."""
     from mlx_grpo.cli import main
 
     assert cmd_train(_args(tiny_model_dir, tmp_path, "r", "--train.steps=2")) == 0
     run = tmp_path / "r"
     files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    (run / "adapters.safetensors").write_bytes(b"an older step's")
     for steps, code, said in [
         (1, 2, "error: train.steps: 1 is below step 2"),
         (2, 0, f"{run} has all its 2 steps; nothing to train"),
