@@ -37,8 +37,14 @@ usage: mlx-grpo COMMAND ...   (or python -m mlx_grpo COMMAND ...)
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other error here
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="mlx-grpo train",
         usage=USAGE,
         epilog="options of the run config, by section:\n\n" + config_help(),
@@ -167,6 +173,13 @@ def cmd_train(argv: list[str]) -> int:
     recipe = Recipe.from_config(cfg.recipe)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)
     curriculum = make_curriculum(cfg.curriculum, train_tasks, cfg.train.seed, recipe.max_reward)
+    distinct = len(getattr(curriculum, "by_id", ()))  # (the uniform draws repeat tasks)
+    if distinct and distinct < cfg.train.batch_size:
+        raise ConfigError(
+            f"train.batch_size: {cfg.train.batch_size} distinct tasks a step, but "
+            f"{distinct} train tasks at the curriculum's levels (recipe.train_size "
+            f"{cfg.recipe.train_size})"
+        )
 
     model, tokenizer = load_model(cfg.model)
     apply_lora(model, cfg.lora, seed=cfg.train.seed)
@@ -270,11 +283,13 @@ def _check_ranks_agree(dist, n_tasks: int, n_trainable: int) -> None:
 def cmd_plot(argv: list[str]) -> int:
     from mlx_grpo.plot import PlotError, plot_run
 
-    p = argparse.ArgumentParser(prog="python -m mlx_grpo plot")
+    p = _Parser(prog="python -m mlx_grpo plot")
     p.add_argument("run_dir", type=Path, help="a run folder, e.g. checkpoints/<run>")
     p.add_argument("--out", type=Path, default=None, help="PNG path (default <run>/metrics.png)")
     p.add_argument("--smooth", type=int, default=5, help="moving-mean width in steps")
     args = p.parse_args(argv)
+    if args.smooth < 1:
+        p.error(f"--smooth {args.smooth}: must be >= 1 (1: no smoothing)")
     try:
         print(plot_run(args.run_dir, args.out, args.smooth))
     except PlotError as e:
@@ -286,7 +301,7 @@ def cmd_plot(argv: list[str]) -> int:
 def cmd_export(argv: list[str]) -> int:
     from mlx_grpo.export import DTYPES, FORMATS, ExportError, export, push_to_hub
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m mlx_grpo export",
         description="Export a run's LoRA adapter for PEFT, the model with the adapter "
         "fused in (transformers + MLX), or the dequantized base; optionally push it to "

@@ -43,6 +43,7 @@ import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -205,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> None:
-    if args.temperature < 0:
-        raise CompareError(f"--temperature {args.temperature:g}: must be >= 0")
+    if not args.temperature >= 0 or math.isinf(args.temperature):  # (and not nan)
+        raise CompareError(f"--temperature {args.temperature:g}: must be a number >= 0")
     if args.samples < 1:
         raise CompareError(f"--samples {args.samples}: must be >= 1")
     if args.samples > 1 and args.temperature == 0:
@@ -223,6 +224,8 @@ def _check_args(args) -> None:
         raise CompareError("--resamples and --permutations: at least 100 each")
     if args.batch_tasks < 1:
         raise CompareError(f"--batch-tasks {args.batch_tasks}: must be >= 1")
+    if args.show < 0:
+        raise CompareError(f"--show {args.show}: must be >= 0")
 
 
 def _setting(cfg: RunConfig, recipe: Recipe, tasks: list[Task], args) -> str:
@@ -346,9 +349,21 @@ def run_compare(argv: list[str], console=None) -> dict:
             for ra, rb in zip(results["a"], results["b"])
         ],
     }
-    written = write_outputs(data, report, out, b.adapter if b.run_dir else None, console)
+    same = a.model == b.model and _resolved(a.adapter) == _resolved(b.adapter)
+    if same:
+        console.print(
+            "note: A and B are the same model and adapters, so every difference is 0; "
+            "the compare.json the export's model card reads is left as it was",
+            highlight=False,
+        )
+    keep_in = b.adapter if b.run_dir and not same else None
+    written = write_outputs(data, report, out, keep_in, console)
     console.print(f"wrote {', '.join(map(str, written))}", highlight=False)
     return data
+
+
+def _resolved(path: Path | None) -> Path | None:
+    return None if path is None else path.resolve()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -130,7 +130,7 @@ def _level_shares(tasks: list[Task]) -> dict:
 
 def _check_size(saved: int, now: int) -> None:
     if saved != now:
-        raise ValueError(
+        raise ConfigError(
             f"curriculum: checkpoint has {saved} train tasks, this run {now} "
             "(recipe params or train_size changed)"
         )
@@ -149,7 +149,8 @@ class LearnabilityCurriculum:
         self.max_reward = max_reward if max_reward > 0 else 1.0
         self.by_id = {t.id: t for t in tasks}
         if len(self.by_id) != len(tasks):
-            raise ValueError("curriculum: task ids are not unique")
+            seen = Counter(t.id for t in tasks).most_common(1)[0][0]
+            raise ConfigError(f"recipe: the train tasks' ids are not unique ('{seen}' repeats)")
         self.levels = sorted({t.level for t in tasks})
         self.ids_by_level = {lv: [t.id for t in tasks if t.level == lv] for lv in self.levels}
         self.rng = np.random.default_rng(seed)
@@ -183,7 +184,11 @@ class LearnabilityCurriculum:
             if tid is None:  # every open task is in the buffer, retired, or taken
                 rest = [t for t in self.buffer if t not in chosen]
                 if not rest:
-                    raise ValueError("curriculum: no task left to sample")
+                    raise ConfigError(
+                        f"curriculum: no task left to sample ({n} a step from "
+                        f"{len(self.by_id)} train tasks): raise recipe.train_size or lower "
+                        "train.batch_size"
+                    )
                 tid = self._replay(rest, 1)[0]
             chosen.add(tid)
             picked.append(tid)
@@ -311,7 +316,7 @@ class LearnabilityCurriculum:
         _check_size(state["n"], len(self.by_id))
         unknown = [t for t in state["buffer"] if t not in self.by_id]
         if unknown:
-            raise ValueError(f"curriculum: checkpoint names unknown tasks, e.g. {unknown[0]}")
+            raise ConfigError(f"curriculum: checkpoint names unknown tasks, e.g. {unknown[0]}")
         self.rng.bit_generator.state = state["rng"]
         self.step, self.top = state["step"], state["top"]
         self.pools = {int(k): list(v) for k, v in state["pools"].items()}

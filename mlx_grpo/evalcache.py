@@ -23,6 +23,7 @@ not in the key: after changing those, use `--no-cache`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -219,6 +220,7 @@ def store(key: str | None, results: list[TaskResult], seconds: float) -> bool:
         tmp.write_text(json.dumps(data))
         os.replace(tmp, folder / f"{key}.json")
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (no folder to remove it from, say)
+            tmp.unlink(missing_ok=True)
         return False
     return True

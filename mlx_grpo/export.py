@@ -107,13 +107,17 @@ class Exported:
 # ---------------------------------------------------------------------------- reading
 
 
-def _read_json(path: Path):
+def _read_json(path: Path, obj: bool = True):
+    """A JSON file's content, an object unless `obj` is false; else ExportError."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ExportError(f"{path}: not found") from None
     except json.JSONDecodeError as e:
         raise ExportError(f"{path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+    if obj and not isinstance(data, dict):
+        raise ExportError(f"{path}: not a JSON object")
+    return data
 
 
 def _last_step(run_dir: Path, folder: Path) -> int | None:
@@ -135,7 +139,7 @@ def read_compare(path: Path) -> Compare | None:
     there is no such file."""
     if not path.exists():
         return None
-    data = _read_json(path)
+    data = _read_json(path, obj=False)
     rows = data.get("rows") if isinstance(data, dict) else data
     if not isinstance(rows, list) or not all(
         isinstance(r, dict) and {"metric", "a", "b"} <= r.keys() for r in rows
@@ -166,6 +170,9 @@ def read_run(path: Path, adapters: bool = True) -> Run:
     weights, adapter_cfg = {}, {}
     if adapters:
         file = path / RunFolder.ADAPTERS
+        latest = RunFolder(run_dir).latest_step_dir()
+        if not file.exists() and path == run_dir and latest is not None:
+            path, file = latest, latest / RunFolder.ADAPTERS  # (a kill before their copy)
         if not file.exists():
             raise ExportError(f"{file}: not found (the run has saved no adapters yet)")
         adapter_cfg = _read_json(path / RunFolder.ADAPTER_CONFIG)
@@ -175,7 +182,8 @@ def read_run(path: Path, adapters: bool = True) -> Run:
                 f"{path / 'adapter_config.json'}: fine_tune_type '{kind}' cannot be exported "
                 "(only lora)"
             )
-        if not {"rank", "scale"} <= adapter_cfg.get("lora_parameters", {}).keys():
+        lora = adapter_cfg.get("lora_parameters", {})
+        if not isinstance(lora, dict) or not {"rank", "scale"} <= lora.keys():
             raise ExportError(
                 f"{path / 'adapter_config.json'}: lora_parameters needs rank and scale"
             )
@@ -484,6 +492,8 @@ def export(
         raise ExportError(f"--dtype: unknown dtype '{dtype}' (choose auto, {', '.join(DTYPES)})")
     source = str(source)
     src = Path(source)
+    if base_model is not None and not base_model.strip():
+        raise ExportError("--base-model: empty (give a Hub id or a folder, or leave it out)")
     if fmt == "base" and not (src.is_dir() and _is_run_dir(src)):
         run, name = None, source  # a model: 'default', a folder or a Hub id
     else:
@@ -492,6 +502,8 @@ def export(
     if out is None and run is None:
         raise ExportError("--out: give the folder to export the model to")
     out = Path(out) if out else RunFolder(run.run_dir).export_dir(fmt)
+    if run is not None and run.run_dir.resolve().is_relative_to(out.resolve()):
+        raise ExportError(f"--out: {out} holds the run {run.run_dir} it would replace")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"--out: {out} exists and is not empty (add --force to replace it)")
     model_dtype = "float32" if dtype == "auto" else dtype

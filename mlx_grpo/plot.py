@@ -31,14 +31,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = RunFolder(run_dir).metrics_file
     if not path.exists():
         raise PlotError(f"{path}: not found (is {run_dir} a run folder?)")
-    rows = read_jsonl(path)[0]
+    rows = [r for r in read_jsonl(path)[0] if isinstance(r.get("step"), int)]
     if not rows:
         raise PlotError(f"{path}: no steps logged yet")
     return rows
 
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-    pts = [(r["step"], r[key]) for r in rows if key in r]
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     if not pts:
         return np.array([]), np.array([])
     steps, vals = zip(*pts)
@@ -143,6 +143,8 @@ def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
         fig.savefig(out, dpi=110)
     except OSError as e:
         raise PlotError(f"--out: cannot write {out} ({e.strerror})") from None
+    except ValueError as e:  # an extension matplotlib does not write
+        raise PlotError(f"--out: {out}: {str(e).splitlines()[0]}") from None
     finally:
         plt.close(fig)
     return out

@@ -90,6 +90,8 @@ def recipe_dir(name: str) -> Path:
         for p in Path(base).iterdir()
         if (p / "recipe.toml").exists()
     )
+    if path.is_dir():
+        raise ConfigError(f"recipe: {path} has no recipe.toml (not a recipe folder)")
     raise ConfigError(f"recipe: '{name}' not found (built-in recipes: {', '.join(known)})")
 
 
@@ -175,7 +177,17 @@ class Recipe:
                 raise ConfigError(f"recipe.params: {self.dir / 'tasks.py'}: {e}") from None
         if not tasks:
             raise ConfigError(f"recipe: {self.name} made no {split} tasks with {self.params}")
-        return tasks
+        if not isinstance(tasks, (list, tuple)):
+            got = type(tasks).__name__
+        else:
+            other = sorted({type(t).__name__ for t in tasks if not isinstance(t, Task)})
+            got = f"a list of {', '.join(other)}" if other else ""
+        if got:
+            raise ConfigError(
+                f"recipe: {self.dir / 'tasks.py'}: make_tasks returned {got}, not a list of "
+                "mlx_grpo.recipe.Task"
+            )
+        return list(tasks)
 
     def score(self, task: Task, completion) -> Scored:
         """Weighted reward of one completion (text, or an Episode for multi-turn
@@ -327,6 +339,8 @@ def _call_reward(
     for task, completion in flat:
         try:
             value = bounded(lambda t=task, c=completion: fn(t, c), timeout_s, name)
+            if value is None:  # (TRL's "not applicable" is for its batch signature only)
+                raise TypeError(f"{name} returned None, not a number or a dict of components")
             out.append(_as_components(name, value))
         except Exception as e:
             out.append(e)

@@ -68,10 +68,17 @@ def _check_adapter(path: Path, what: str) -> None:
     missing = [f for f in names if not (path / f).exists()]
     if missing:
         raise CompareError(f"{what}: {path} has no {' or '.join(missing)}")
-    try:  # read now: a torn file must not stop the command after side A's evaluation
+    # Read now: a damaged file must not stop the command after side A's evaluation.
+    try:
         load_arrays(path / RunFolder.ADAPTERS)
     except CheckpointError as e:
         raise CompareError(f"{what}: {str(e).removeprefix('checkpoint: ')}") from None
+    config = path / RunFolder.ADAPTER_CONFIG
+    try:
+        if not isinstance(json.loads(config.read_text()), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise CompareError(f"{what}: {config} is unreadable ({e})") from None
 
 
 def _looks_local(spec: str) -> bool:
@@ -116,6 +123,8 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
         raise CompareError(f"--{flag}-adapter: {spec} is a run folder, which has its own adapters")
     cfg = _read_run_config(run_dir, flag)
     folder = step_dir or run_dir
+    if not (folder / RunFolder.ADAPTERS).exists() and step_dir is None:
+        folder = RunFolder(run_dir).latest_step_dir() or folder  # (a kill before their copy)
     if not (folder / RunFolder.ADAPTERS).exists():
         raise CompareError(f"{opt}: {folder} has no adapters.safetensors (no checkpoint saved yet)")
     _check_adapter(folder, opt)

@@ -101,3 +101,11 @@ def test_a_run_folder_from_other_settings_is_not_reused(tmp_path):
     (run / "config.json").write_text("{")
     with pytest.raises(SystemExit, match="config.json: not a run config"):
         check_run(run, "uniform", 0, args)
+
+
+def test_bad_seeds_are_a_usage_error(capsys):
+    from mlx_grpo.bench.curriculum import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--seeds", "0,abc", "--analyse-only"])
+    assert e.value.code == 2 and "--seeds: integers separated by commas" in capsys.readouterr().err

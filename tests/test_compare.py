@@ -263,6 +263,12 @@ def test_run_checkpoint_against_its_base(tiny_model_dir, toy_run, capsys):
     assert json.loads((run / "step-000001" / "compare.json").read_text())["rows"] == data["rows"]
     assert not (run / "compare.json").exists()
     assert "note:" not in printed
+    # A checkpoint against itself leaves the result the model card quotes alone.
+    kept = (run / "step-000001" / "compare.json").read_bytes()
+    step = f"{run}@step-000001"
+    _, printed = _compare(capsys, "--a", step, "--b", step, "--n-tasks", 4, "--out", run / "self")
+    assert "note: A and B are the same model and adapters" in printed
+    assert (run / "step-000001" / "compare.json").read_bytes() == kept
 
     # The same checkpoint named three ways; the run folder itself means its latest.
     for spec in (f"{run}@1", str(run / "step-000001")):
@@ -369,7 +375,12 @@ def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
         raise AssertionError("evaluated")
 
     monkeypatch.setattr(cmp, "evaluate_side", evaluate_side)
+    bad_config = _fake_run(tmp_path / "badcfg", TOY)
+    (bad_config / "adapter_config.json").write_text("[1,")
     cases = {
+        f"{bad_config / 'adapter_config.json'} is unreadable": ["--a", str(bad_config), "--b", m],
+        "--temperature nan: must be a number >= 0": ["--a", m, "--b", m, "--temperature", "nan"],
+        "--show -1: must be >= 0": ["--a", m, "--b", m, "--show", "-1"],
         f"--out: cannot write in {tmp_path / 'file' / 'x'}": [
             "--a", m, "--b", m, "--recipe", str(TOY), "--no-cache",
             "--out", str(tmp_path / "file" / "x")],
@@ -449,6 +460,17 @@ def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
         assert not evalcache.store("k", [r], 1.0) and evalcache.load("k", ["t"]) is None
     assert evalcache.store("k", [wrong], 1.0)
     assert evalcache.load("k", ["t"])[0] == [wrong] and evalcache.load("k", ["u"]) is None
+
+
+def test_a_cache_that_cannot_be_written_keeps_nothing_and_the_compare_goes_on(
+    tmp_path, monkeypatch
+):
+    from mlx_grpo import evalcache
+
+    (tmp_path / "file").write_text("")  # the cache root is a file: no folder under it
+    monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path / "file"))
+    assert evalcache.store("k", _results([1, 2]), 1.0) is False
+    assert evalcache.load("k", [r.id for r in _results([1, 2])]) is None
 
 
 def test_the_machine_in_a_key_names_the_chip_not_its_free_memory(monkeypatch):

@@ -57,6 +57,9 @@ def test_layers_apply_in_order(tmp_path):
         (["--grpo.beta=0", "--grpo.kl_target=0.1"], "grpo.kl_target needs grpo.beta > 0"),
         (["--grpo.kl_target=0"], "grpo.kl_target"),
         (['--recipe.params={"levels": [1, 2}'], "--recipe.params: not valid JSON (Expecting"),
+        (["--output.run=.."], "output.run: Value error, must name a folder under output.dir"),
+        (["--output.run=a/../../b"], "output.run: Value error, must name a folder"),
+        (["--output.run=/tmp/x"], "output.run: Value error, must name a folder"),
         (
             ['--recipe.weights={"success": 1.0, "format": 0.2}', "--grpo.signal_component=sucess"],
             "grpo.signal_component: 'sucess' is not one of the recipe's reward components "
@@ -184,3 +187,40 @@ def test_rewards_of_every_documented_shape_load(tmp_path):
     with open(toy / "tasks.py", "a") as f:
         f.write("\ndef reward(completions, **kwargs):\n    return [0.0] * len(completions)\n")
     assert Recipe.from_config(build_config(recipe_defaults(str(toy))).recipe).own_reward
+
+
+def test_a_folder_that_is_not_a_recipe_and_tasks_that_are_not_tasks_are_one_line(tmp_path):
+    from mlx_grpo.recipe import Recipe
+
+    with pytest.raises(ConfigError, match=re.escape(f"recipe: {tmp_path} has no recipe.toml")):
+        recipe_defaults(str(tmp_path))
+    toy = tmp_path / "toy"
+    shutil.copytree(DATA / "toy", toy)
+    recipe = Recipe.from_config(build_config(recipe_defaults(str(toy))).recipe)
+    assert recipe.tasks("train", 4, 0)
+    for made, said in [("[{'id': 'x'}]", "a list of dict"), ("'abc'", "str")]:
+        (toy / "tasks.py").write_text(
+            f"def make_tasks(split, n, seed): return {made}\ndef reward(task, completion): ...\n"
+        )
+        recipe = Recipe.from_config(build_config(recipe_defaults(str(toy))).recipe)
+        with pytest.raises(ConfigError, match=re.escape(f"make_tasks returned {said}, not a list")):
+            recipe.tasks("train", 4, 0)
+
+
+def test_a_reward_that_returns_none_is_a_failed_sample_not_a_stopped_run(tmp_path):
+    """TRL's None ("not applicable") belongs to its batch signature; from reward(task,
+    completion) it is an error of that sample, scored 0 and counted."""
+    from mlx_grpo.recipe import Recipe
+
+    toy = tmp_path / "toy"
+    shutil.copytree(DATA / "toy", toy)
+    with open(toy / "tasks.py", "a") as f:
+        f.write(
+            "\ndef reward(task, completion):\n"
+            "    return None if 'x' in completion else {'ascii': 1.0, 'short': 0.0}\n"
+        )
+    recipe = Recipe.from_config(build_config(recipe_defaults(str(toy))).recipe)
+    task = recipe.tasks("train", 1, 0)[0]
+    bad, good = recipe.score_groups([task], [["x", "y"]])[0]
+    assert bad.reward == 0.0 and "returned None" in bad.error
+    assert good.error is None and good.reward == 1.0

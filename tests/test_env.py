@@ -325,6 +325,11 @@ def test_plot_writes_a_png_of_a_multi_turn_run(tiny_model_dir, tmp_path, capsys)
     assert cmd_plot([str(tmp_path / "p"), "--out", str(tmp_path / "file" / "m.png")]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --out: cannot write {tmp_path / 'file' / 'm.png'} (Not a directory)\n"
+    assert cmd_plot([str(tmp_path / "p"), "--out", str(tmp_path / "m.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out: {tmp_path / 'm.jsonl'}: Format")
+    with pytest.raises(SystemExit):
+        cmd_plot([str(tmp_path / "p"), "--smooth", "0"])
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_the_plot_draws_kl_and_both_entropies_from_the_log(tmp_path, monkeypatch):
@@ -338,6 +343,8 @@ def test_the_plot_draws_kl_and_both_entropies_from_the_log(tmp_path, monkeypatch
     rows = [{"step": i + 1, "reward/mean": 0.1 * i, "kl": 0.01 * i, "entropy/sampled": 0.5 + i}
             for i in range(4)]  # fmt: skip
     rows[2]["entropy"] = 0.25  # one step that trained
+    rows[3]["entropy"] = "n/a"  # hand-edited lines: a value that is not a number, no step
+    rows.append({"kl": 9.0})
     RunFolder(tmp_path).metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     saved = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))

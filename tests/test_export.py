@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.tuner.lora import LoRALinear
 
+from mlx_grpo import sides
 from mlx_grpo.cli import main
 from mlx_grpo.config import LoRAConfig, RunConfig
 from mlx_grpo.export import (
@@ -43,6 +45,7 @@ from mlx_grpo.model_card import model_card
 from mlx_grpo.models import adapter_config, adapters_disabled, apply_lora, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
+TOY = Path(__file__).parent / "data" / "toy"
 TOL = 1e-3
 COMPARE = {
     "model_a": "base",
@@ -507,6 +510,48 @@ def test_a_torn_adapter_or_an_out_that_cannot_be_made_is_one_line(tiny_model_dir
     assert done.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: {adapters} is unreadable")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_holding_the_run_is_refused_even_with_force(tiny_model_dir, tmp_path):
+    run = make_run(tmp_path / "runs" / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (run, run.parent, tmp_path):
+        with pytest.raises(ExportError, match=f"--out: {out} holds the run {run}"):
+            export(run, "peft", out, base_model="x/y", force=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files
+
+
+def test_bad_adapter_configs_and_an_empty_base_name_are_one_line(tiny_model_dir, tmp_path):
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    with pytest.raises(ExportError, match="--base-model: empty"):
+        export(run, "peft", tmp_path / "out", base_model=" ")
+    config = run / "adapter_config.json"
+    for text, said in [
+        ("[1, 2]", "not a JSON object"),
+        ('{"lora_parameters": 4}', "lora_parameters needs rank"),
+    ]:
+        config.write_text(text)
+        with pytest.raises(ExportError, match=re.escape(f"{config}: ") + said):
+            export(run, "peft", tmp_path / "out", base_model="x/y")
+
+
+def test_a_run_whose_top_adapters_are_missing_exports_its_latest_step(tiny_model_dir, tmp_path):
+    """What a kill between a checkpoint and the copy of its adapters leaves."""
+    from mlx_grpo.cli import cmd_train
+
+    args = ["--recipe", str(TOY), f"--model.path={tiny_model_dir}", f"--output.dir={tmp_path}"]
+    assert cmd_train([*args, "--output.run=r", "--train.steps=2", "--output.save_every=1"]) == 0
+    run = tmp_path / "r"
+    (run / "adapters.safetensors").unlink()
+
+    def exported(step):
+        done = export(run / step, "peft", tmp_path / f"out{step}", base_model="x/y")
+        return dict(mx.load(str(done.out / "adapter_model.safetensors")))
+
+    got, last, first = (exported(s) for s in ("", "step-000002", "step-000001"))
+    assert got.keys() == last.keys() and all(mx.array_equal(got[k], last[k]) for k in got)
+    assert not all(mx.array_equal(got[k], first[k]) for k in got)
+    assert sides.resolve_side("b", str(run)).adapter == run / "step-000002"
 
 
 def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):

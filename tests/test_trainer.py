@@ -19,6 +19,7 @@ from conftest import cut_back
 
 import mlx_grpo.trainer as trainer_mod
 from mlx_grpo.cli import cmd_train
+from mlx_grpo.config import ConfigError
 from mlx_grpo.trainer import TrainingError
 
 TOY = Path(__file__).parent / "data" / "toy"
@@ -580,6 +581,20 @@ def test_a_resume_to_fewer_steps_than_done_is_refused_and_to_as_many_does_nothin
         err = capsys.readouterr().err
         assert exit_.value.code == code and err.startswith(said) and err.count("\n") == 1, err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_a_batch_larger_than_the_distinct_tasks_is_one_line_before_the_model_loads(
+    tmp_path, monkeypatch
+):
+    import mlx_grpo.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mlx_grpo.models, "load_model", no_load)
+    args = _args("/nonexistent/m", tmp_path, "r", "--train.batch_size=10", "--recipe.train_size=3")
+    with pytest.raises(ConfigError, match=r"^train.batch_size: 10 distinct tasks a step, but 3"):
+        cmd_train(args)
 
 
 def test_an_output_dir_that_cannot_be_made_is_one_line_before_the_model_loads(

@@ -254,7 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad or "uniform" not in strategies:
         p.error(f"--strategies: from {', '.join(STRATEGIES)}, uniform included (got {bad})")
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        p.error(f"--seeds: integers separated by commas (got '{args.seeds}')")
     runs = args.out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     tic = time.time()
