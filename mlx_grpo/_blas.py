@@ -5,7 +5,9 @@ Loading an OpenBLAS with RTLD_GLOBAL before the first `import mlx` makes MLX res
 BLAS and LAPACK calls there (~130-450 GFLOP/s on 2 cores, by CPU). But an OpenBLAS built
 for another CPU family dies with SIGILL at its first GEMM, and a crash cannot be caught
 in the process that has it. So each candidate is first loaded in a child process that
-runs every BLAS/LAPACK routine MLX calls and checks the numbers against numpy in float64;
+checks it exports the BLAS entry points MLX resolves (any shared library loads, and one
+without them would leave MLX on its own BLAS while named as the one in use), then runs
+every BLAS/LAPACK routine MLX calls and checks the numbers against numpy in float64;
 the verdict is cached under the cache directory, keyed by the library file, the CPU,
 the thread count and OPENBLAS_CORETYPE (which forces a kernel family). The first
 candidate that passes is loaded. If none does, MLX keeps its own BLAS and one warning
@@ -23,13 +25,16 @@ Candidates, in order (README "Which BLAS"):
   builtin           MLX's own reference BLAS
 
 MLX_GRPO_OPENBLAS=<path to a BLAS library, or one of the names above> is tried first
-(`builtin` keeps MLX's own). A candidate whose build caps its threads below the count
-wanted here is used only when no uncapped one works.
+(`builtin` keeps MLX's own); a value without a slash that is neither a file nor a name
+is said to be so, not probed as a file. A candidate whose build caps its threads below
+the count wanted here is used only when no uncapped one works.
 
-Threads: OPENBLAS_NUM_THREADS, if set, rules. Otherwise one thread per physical core that
-this process may run on (affinity and cgroup quota), shared out between the ranks of an
-`mlx.launch` job on the same machine: OpenBLAS threads spin while they wait, so ranks
-that each ran a thread per core would slow each other down many times over.
+Threads: OPENBLAS_NUM_THREADS, if a whole number above 0, rules; any other value is
+named in a warning line (OpenBLAS itself would quietly ignore it). Otherwise one thread
+per physical core that this process may run on (affinity and cgroup quota), shared out
+between the ranks of an `mlx.launch` job on the same machine: OpenBLAS threads spin
+while they wait, so ranks that each ran a thread per core would slow each other down
+many times over.
 """
 
 from __future__ import annotations
@@ -72,15 +77,23 @@ INSTALL_HINT = (
 )
 PROBE_TIMEOUT_S = 300
 
-# Runs in a child process: argv = [library or "", thread count]. Loads the library,
-# then runs each routine through MLX on well-conditioned inputs and checks a residual
-# against numpy in float64. Prints one JSON line, or dies trying.
+# Runs in a child process: argv = [library or "", thread count, the BLAS symbols MLX
+# resolves, comma-separated]. Loads the library; if it lacks one of those symbols, says
+# which ("missing") and stops. Otherwise runs each routine through MLX on
+# well-conditioned inputs and checks a residual against numpy in float64. Prints one
+# JSON line, or dies trying.
 PROBE = r"""
 import ctypes, json, os, sys
-lib, threads = sys.argv[1], int(sys.argv[2])
+lib, threads, symbols = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 config = ""
 if lib:
     handle = ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
+    # MLX resolves the plain names only: a library without them changes nothing in MLX.
+    missing = [s for s in symbols if not hasattr(handle, s)]
+    if missing:
+        prefixed = all(hasattr(handle, "scipy_" + s) for s in missing)
+        print(json.dumps({"config": "", "failed": [], "missing": missing, "prefixed": prefixed}))
+        sys.exit(0)
     for prefix in ("", "scipy_"):
         if hasattr(handle, prefix + "openblas_get_config"):
             get = getattr(handle, prefix + "openblas_get_config")
@@ -216,8 +229,8 @@ def local_ranks(env=os.environ) -> int:
     """How many ranks of this `mlx.launch` job run on this machine (1 outside one):
     the ranks whose ring address has the same IP as ours (MLX_HOSTFILE), or MPI's
     local size."""
-    if (mpi := env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")).isdigit() and int(mpi) > 0:
-        return int(mpi)
+    if mpi := _positive(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")):
+        return mpi
     rank, path = env.get("MLX_RANK"), env.get("MLX_HOSTFILE")
     if rank is None or not path:
         return 1
@@ -229,11 +242,31 @@ def local_ranks(env=os.environ) -> int:
         return 1
 
 
+def _positive(text: str) -> int | None:
+    """`text` as a whole number above 0 (ASCII digits; `"²".isdigit()` is true too), or None."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else None
+
+
 def blas_threads(env=os.environ) -> int:
-    """OPENBLAS_NUM_THREADS if set, else this rank's share of the physical cores."""
-    if (given := env.get("OPENBLAS_NUM_THREADS", "")).isdigit() and int(given) > 0:
-        return int(given)
+    """OPENBLAS_NUM_THREADS if a whole number above 0, else this rank's share of the
+    physical cores."""
+    if given := _positive(env.get("OPENBLAS_NUM_THREADS", "")):
+        return given
     return max(1, physical_cores() // local_ranks(env))
+
+
+def _threads_warning(env=os.environ) -> str | None:
+    """The line for an OPENBLAS_NUM_THREADS that is set but not a thread count: OpenBLAS
+    reads 0, `abc` or `-2` as unset, so without a word the count asked for would be
+    silently replaced by another one. Empty counts as unset, as for OpenBLAS."""
+    given = env.get("OPENBLAS_NUM_THREADS", "")
+    if not given.strip() or _positive(given):
+        return None
+    return (
+        f"OPENBLAS_NUM_THREADS={given!r}: not a whole number above 0; using "
+        f"{blas_threads(env)} threads (this process's share of the physical cores)"
+    )
 
 
 # ------------------------------------------------------------------------- candidates
@@ -366,6 +399,7 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
         json.dumps(
             [
                 PROBE,
+                MLX_BLAS_SYMBOLS,
                 str(real),
                 st.st_size,
                 st.st_mtime_ns,
@@ -381,10 +415,17 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
     if use_cache:
         try:
             verdict = json.loads(cached.read_text())
-            if isinstance(verdict, dict) and {"ok", "reason", "config"} <= verdict.keys():
-                return verdict
         except (OSError, ValueError):
-            pass
+            verdict = None
+        # Anything else (a torn write, an edit, another version's format) is a miss: a
+        # wrong type here would fail the choice itself on every run.
+        if (
+            isinstance(verdict, dict)
+            and isinstance(verdict.get("ok"), bool)
+            and isinstance(verdict.get("reason"), str)
+            and isinstance(verdict.get("config"), str)
+        ):
+            return {k: verdict[k] for k in ("ok", "reason", "config")}
     verdict = _run_probe(lib, threads)
     if use_cache and not verdict.pop("transient", False):
         try:
@@ -401,7 +442,7 @@ def _run_probe(lib: Path, threads: int) -> dict:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
     try:
         done = subprocess.run(
-            [sys.executable, "-c", PROBE, str(lib), str(threads)],
+            [sys.executable, "-c", PROBE, str(lib), str(threads), ",".join(MLX_BLAS_SYMBOLS)],
             capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:  # a loaded machine, maybe: not cached
@@ -420,9 +461,19 @@ def _run_probe(lib: Path, threads: int) -> dict:
     try:
         out = json.loads(done.stdout.strip().splitlines()[-1])
         config, failed = str(out["config"]), list(out["failed"])
-    except (ValueError, KeyError, TypeError, IndexError):
+        missing, prefixed = list(out.get("missing", [])), bool(out.get("prefixed"))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         why = _last_line(done.stderr) or f"exit status {done.returncode}"
         return {"ok": False, "reason": f"its probe failed: {why}", "config": ""}
+    if missing and prefixed:  # libscipy_openblas.so itself, say
+        why = (
+            f"its symbols carry a scipy_ prefix (scipy_{missing[0]}), which MLX does not "
+            "resolve; MLX_GRPO_OPENBLAS=scipy-openblas32 reaches it through a shim"
+        )
+        return {"ok": False, "reason": why, "config": ""}
+    if missing:
+        why = f"not a BLAS: it exports no {', '.join(missing)}, which MLX calls"
+        return {"ok": False, "reason": why, "config": ""}
     if failed:
         return {"ok": False, "reason": "wrong results: " + "; ".join(failed[:3]), "config": config}
     return {"ok": True, "reason": "", "config": config}
@@ -445,19 +496,36 @@ def _set_threads(handle: ctypes.CDLL, threads: int) -> None:
 
 
 def choose(env=os.environ) -> tuple[Blas, str | None]:
-    """The first candidate that passes its probe (see the module doc), and the one
-    warning line to print, if any. Loads nothing into this process."""
+    """The first candidate that passes its probe (see the module doc), and the warning
+    to print, if any: one line per problem (the thread count, the BLAS). Loads nothing
+    into this process."""
     threads = blas_threads(env)
     forced = env.get("MLX_GRPO_OPENBLAS", "").strip()
+    problems: list[str] = []  # "<candidate>: why", for candidates that exist but failed
     if forced and forced not in NAMES:
-        forced = str(Path(forced).expanduser().absolute())  # probe and load the same file
+        path = Path(forced).expanduser()
+        if "/" not in forced and not path.is_file():  # a name misspelt, not a path
+            names = ", ".join(NAMES)
+            problems.append(f"MLX_GRPO_OPENBLAS={forced}: neither a file nor one of {names}")
+            forced = ""
+        else:
+            forced = str(path.absolute())  # probe and load the same file
     order = [n for n in NAMES if n != "builtin"]
     if forced == "builtin" or env.get("MLX_GRPO_NO_OPENBLAS"):  # the latter: older name
         return Blas("builtin", None), None
+    blas, warning = _first_that_works(forced, order, threads, problems)
+    lines = [w for w in (_threads_warning(env), warning) if w]
+    return blas, "\n".join(lines) or None
+
+
+def _first_that_works(
+    forced: str, order: list[str], threads: int, problems: list[str]
+) -> tuple[Blas, str | None]:
+    """`choose`'s walk through the candidates, the forced one first, and its one warning
+    line; `problems` may already hold one (a misspelt name), said on the same line."""
     if forced in order:
         order.remove(forced)
         order.insert(0, forced)
-    problems: list[str] = []  # "<candidate>: why", for candidates that exist but failed
     missing: list[str] = []
     capped: Blas | None = None
     tries = (["custom"] if forced and forced not in NAMES else []) + order
@@ -514,8 +582,8 @@ def use_fast_blas() -> Blas | None:
                 f"{blas.path} could not be loaded ({e}); using MLX's built-in BLAS",
                 Blas("builtin", None),
             )
-    if warning:
-        print(f"mlx-grpo: warning: {warning}", file=sys.stderr)
+    for line in (warning or "").splitlines():
+        print(f"mlx-grpo: warning: {line}", file=sys.stderr)
     _state["blas"] = blas
     return blas
 

@@ -59,17 +59,23 @@ def default_choice(tmp_path: Path) -> dict:
     return result
 
 
+# The other GEMMs MLX resolves, doing nothing: with them a test library is a BLAS to the
+# probe, which then finds out what its cblas_sgemm does.
+OTHER_GEMMS = "void cblas_dgemm(void) {}\nvoid cblas_cgemm(void) {}\n"
 # A GEMM that executes an illegal instruction (ud2 on x86-64, brk on aarch64), as an
 # OpenBLAS built for a newer CPU family does at its first GEMM.
-CRASHING_GEMM = "void cblas_sgemm(void) { __builtin_trap(); }\n"
+CRASHING_GEMM = "void cblas_sgemm(void) { __builtin_trap(); }\n" + OTHER_GEMMS
 # A GEMM that returns and writes ones: a library that computes wrong numbers.
-WRONG_GEMM = """
+WRONG_GEMM = (
+    OTHER_GEMMS
+    + """
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
     for (int i = 0; i < m; i++)
         for (int j = 0; j < n; j++) c[order == 101 ? i * ldc + j : j * ldc + i] = 1.0f;
 }
 """
+)
 
 
 @linux_only
@@ -108,6 +114,32 @@ def test_a_file_that_is_no_library_is_passed_over(tmp_path):
     result, stderr = run_snippet(tmp_path, MLX_GRPO_OPENBLAS=str(bogus))
     assert result == expected
     assert len(stderr) == 1 and f"MLX_GRPO_OPENBLAS={bogus}: its probe failed" in stderr[0]
+
+
+@linux_only
+@needs_cc
+@pytest.mark.parametrize(
+    ("exports", "said"),
+    [
+        ("int deflate(void) { return 0; }", "not a BLAS: it exports no cblas_sgemm"),
+        # libscipy_openblas.so itself: a BLAS, but not under the names MLX resolves
+        (
+            "".join(f"void scipy_{s}(void) {{}}\n" for s in _blas.MLX_BLAS_SYMBOLS),
+            "MLX_GRPO_OPENBLAS=scipy-openblas32",
+        ),
+    ],
+    ids=["zlib-like", "scipy-prefixed"],
+)
+def test_a_library_without_the_blas_symbols_mlx_resolves_is_passed_over(tmp_path, exports, said):
+    """Any shared library loads, and MLX then simply keeps its own BLAS: passing it
+    would name a library that computes nothing, and cache that verdict."""
+    expected = default_choice(tmp_path)
+    lib = build_library(tmp_path, "notblas", exports)
+    for _ in range(2):  # the second time from the cached verdict
+        result, stderr = run_snippet(tmp_path, MLX_GRPO_OPENBLAS=str(lib))
+        assert result == expected
+        assert len(stderr) == 1 and f"MLX_GRPO_OPENBLAS={lib}: " in stderr[0], stderr
+        assert said in stderr[0]
 
 
 @linux_only
@@ -196,6 +228,27 @@ def test_threads_follow_the_physical_cores_and_are_shared_between_local_ranks(tm
     assert _blas.blas_threads(env) == max(1, cores // 2)
 
 
+@pytest.mark.parametrize("given", ["abc", "0", "-2", "1.5", "\u00b2"])
+def test_a_thread_count_that_is_not_one_is_said_and_the_default_used(monkeypatch, given):
+    """OpenBLAS reads these as unset; the count used instead is named, not guessed at."""
+    lib = Path("/lib/libx.so")
+    monkeypatch.setattr(
+        _blas, "_locate", lambda n: (lib, "") if n == "system" else (None, "not installed")
+    )
+    monkeypatch.setattr(_blas, "probe", lambda lib, t: {"ok": True, "reason": "", "config": ""})
+    default = _blas.blas_threads({})
+    assert _blas.blas_threads({"OPENBLAS_NUM_THREADS": given}) == default
+    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": given})
+    assert blas.threads == default
+    assert warning == (
+        f"OPENBLAS_NUM_THREADS={given!r}: not a whole number above 0; using {default} "
+        "threads (this process's share of the physical cores)"
+    )
+    for valid, threads in (("3", 3), (" 5 ", 5), ("", default)):  # said nothing about
+        blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": valid})
+        assert (blas.threads, warning) == (threads, None)
+
+
 def test_local_ranks_share_the_cores(tmp_path):
     from mlx_grpo._blas import local_ranks
 
@@ -261,3 +314,65 @@ def test_a_candidate_named_but_not_installed_is_said(monkeypatch, tmp_path):
     assert warning.startswith("system: not installed; using")
     blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})  # not asked for: quiet
     assert blas.name == "cmeel-openblas" and warning is None
+
+
+@linux_only
+def test_a_forced_value_that_is_neither_a_file_nor_a_name_is_said_so(monkeypatch, tmp_path):
+    """`fastest` is a wish, not a path in the current folder: saying 'cannot read
+    /cwd/fastest' would hide that the names are a fixed list."""
+    monkeypatch.chdir(tmp_path)
+    system = tmp_path / "system.so"
+    monkeypatch.setattr(
+        _blas, "_locate", lambda n: (system, "") if n == "system" else (None, "not installed")
+    )
+    probed = []
+
+    def probe(lib, threads):
+        probed.append(Path(lib))
+        return {"ok": True, "reason": "", "config": ""}
+
+    monkeypatch.setattr(_blas, "probe", probe)
+    env = {"OPENBLAS_NUM_THREADS": "2"}
+    blas, warning = _blas.choose({**env, "MLX_GRPO_OPENBLAS": "fastest"})
+    assert blas.name == "system" and probed == [system]
+    assert warning == (
+        "MLX_GRPO_OPENBLAS=fastest: neither a file nor one of system, scipy-openblas32, "
+        f"cmeel-openblas, builtin; using {blas.describe()}"
+    )
+    (tmp_path / "libmine.so").write_bytes(b"x")  # a file here, named without a slash
+    blas, warning = _blas.choose({**env, "MLX_GRPO_OPENBLAS": "libmine.so"})
+    assert (blas.name, blas.path, warning) == ("custom", str(tmp_path / "libmine.so"), None)
+
+
+@linux_only
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"ok": True, "reason": "", "config": 5},
+        {"ok": "yes", "reason": "", "config": ""},
+        {"ok": True, "reason": None, "config": ""},
+        {"ok": True},
+        ["ok"],
+    ],
+)
+def test_a_malformed_cached_verdict_is_probed_again(monkeypatch, tmp_path, entry):
+    """A verdict file with the wrong types (another version's, an edit) would otherwise
+    fail the choice on every run; it is a cache miss, and the new verdict replaces it."""
+    monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path))
+    lib = tmp_path / "libx.so"
+    lib.write_bytes(b"x")
+    good = {"ok": True, "reason": "", "config": "OpenBLAS MAX_THREADS=64"}
+    calls = []
+    monkeypatch.setattr(_blas, "_run_probe", lambda p, t: calls.append(p) or dict(good))
+    assert _blas.probe(lib, 2) == good
+    (cached,) = (tmp_path / "blas").glob("verdict-*.json")
+    cached.write_text(json.dumps(entry))
+    assert _blas.probe(lib, 2) == good and len(calls) == 2
+    assert json.loads(cached.read_text()) == good
+    assert _blas.probe(lib, 2) == good and len(calls) == 2  # and that one is used
+    monkeypatch.setattr(
+        _blas, "_locate", lambda n: (lib, "") if n == "system" else (None, "not installed")
+    )
+    cached.write_text(json.dumps(entry))
+    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})
+    assert (blas.name, blas.path, warning) == ("system", str(lib), None)
