@@ -18,11 +18,30 @@ NP     ?=
 # chooses instead, and is remembered: `make mlx-device MLX_DEVICE=cpu` on an installed venv.
 export MLX_DEVICE
 
-TRAIN_FLAGS := --recipe $(RECIPE) \
-	$(if $(MODEL),--model.path=$(MODEL)) \
-	$(if $(STEPS),--train.steps=$(STEPS)) \
-	$(if $(RUN),--output.run=$(RUN)) \
+# A value as one shell word, whatever it holds (a space in a path, a quote): in single
+# quotes, each ' in it written '\''. ARGS, BENCH_ARGS and PYTEST_ARGS stay several words.
+quote = '$(subst ','\'',$(1))'
+
+TRAIN_FLAGS := --recipe $(call quote,$(RECIPE)) \
+	$(if $(MODEL),--model.path=$(call quote,$(MODEL))) \
+	$(if $(STEPS),--train.steps=$(call quote,$(STEPS))) \
+	$(if $(RUN),--output.run=$(call quote,$(RUN))) \
 	$(ARGS)
+
+# `make train` with an empty RECIPE or an NP that is no count of ranks stops here, with
+# one line naming the variable, before the venv is set up or mlx.launch prints its usage.
+strip_digits = $(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst 4,,$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1)))))))))))
+ifneq ($(filter train,$(MAKECMDGOALS)),)
+  ifeq ($(strip $(RECIPE)),)
+    $(error RECIPE is empty: name a built-in recipe (RECIPE=arithmetic) or a recipe folder)
+  endif
+  np := $(strip $(NP))
+  ifneq ($(np),)
+    ifeq ($(and $(filter 1,$(words $(np))),$(if $(call strip_digits,$(np)),,digits),$(subst 0,,$(np))),)
+      $(error NP='$(np)': expected the number of ranks to start on this machine, a whole number from 1 (NP=2))
+    endif
+  endif
+endif
 
 # The parity tests load exports with PyTorch + transformers + peft and run TRL's own
 # GRPO loss on fixed inputs (tests/test_trl_parity.py). The product never imports these:
@@ -52,7 +71,7 @@ $(STAMP): pyproject.toml
 mlx-device: $(STAMP)
 	$(PY) mlx_grpo/_backend.py
 
-LAUNCH := $(if $(HOSTS),$(VENV)/bin/mlx.launch --hostfile $(HOSTS) --,$(if $(NP),$(VENV)/bin/mlx.launch --backend ring -n $(NP) --))
+LAUNCH := $(if $(HOSTS),$(VENV)/bin/mlx.launch --hostfile $(call quote,$(HOSTS)) --,$(if $(NP),$(VENV)/bin/mlx.launch --backend ring -n $(strip $(NP)) --))
 
 train: $(STAMP)
 	$(LAUNCH) $(if $(LAUNCH),$(CURDIR)/$(PY),$(PY)) -m mlx_grpo train $(TRAIN_FLAGS)
