@@ -100,6 +100,10 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
         overrides["lora"] = {**overrides.get("lora", {}), **lora_from_adapter(init)}
     cfg = build_config(recipe_defaults(name), args.config, overrides, source="config")
     run = cfg.output.run or f"{Path(cfg.recipe.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if Path(run).is_absolute() or {".", ".."} & set(run.split("/")):
+        raise ConfigError(
+            f"output.run: '{run}' must name a folder under output.dir (no '.', '..' or leading /)"
+        )
     cfg.output.run = run
     run_dir = Path(cfg.output.dir) / run
     if RunFolder(run_dir).latest_step_dir() is not None:

@@ -349,11 +349,12 @@ def run_compare(argv: list[str], console=None) -> dict:
             for ra, rb in zip(results["a"], results["b"])
         ],
     }
-    same = a.model == b.model and _resolved(a.adapter) == _resolved(b.adapter)
+    same = a.model == b.model and _adapter_bytes(a) == _adapter_bytes(b)
     if same:
+        kept = "; the compare.json the export's model card reads is left as it was"
         console.print(
-            "note: A and B are the same model and adapters, so every difference is 0; "
-            "the compare.json the export's model card reads is left as it was",
+            "note: A and B are the same model and adapters, so every difference is 0"
+            + (kept if b.run_dir else ""),
             highlight=False,
         )
     keep_in = b.adapter if b.run_dir and not same else None
@@ -362,8 +363,9 @@ def run_compare(argv: list[str], console=None) -> dict:
     return data
 
 
-def _resolved(path: Path | None) -> Path | None:
-    return None if path is None else path.resolve()
+def _adapter_bytes(side: Side) -> bytes | None:
+    """The side's adapter weights as stored (a run's top-level copy equals its step's)."""
+    return None if side.adapter is None else (side.adapter / "adapters.safetensors").read_bytes()
 
 
 def main(argv: list[str] | None = None) -> None:

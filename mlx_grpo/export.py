@@ -171,7 +171,8 @@ def read_run(path: Path, adapters: bool = True) -> Run:
     if adapters:
         file = path / RunFolder.ADAPTERS
         latest = RunFolder(run_dir).latest_step_dir()
-        if not file.exists() and path == run_dir and latest is not None:
+        whole = file.exists() and (path / RunFolder.ADAPTER_CONFIG).exists()
+        if not whole and path == run_dir and latest is not None:
             path, file = latest, latest / RunFolder.ADAPTERS  # (a kill before their copy)
         if not file.exists():
             raise ExportError(f"{file}: not found (the run has saved no adapters yet)")
@@ -502,8 +503,10 @@ def export(
     if out is None and run is None:
         raise ExportError("--out: give the folder to export the model to")
     out = Path(out) if out else RunFolder(run.run_dir).export_dir(fmt)
-    if run is not None and run.run_dir.resolve().is_relative_to(out.resolve()):
-        raise ExportError(f"--out: {out} holds the run {run.run_dir} it would replace")
+    if run is not None:  # the run, and each of its checkpoints, stay whatever --force says
+        kept = [run.run_dir, *RunFolder(run.run_dir).step_dirs(complete=False)]
+        if held := [p for p in kept if p.resolve().is_relative_to(out.resolve())]:
+            raise ExportError(f"--out: {out} is or holds {held[0]}, which it would replace")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"--out: {out} exists and is not empty (add --force to replace it)")
     model_dtype = "float32" if dtype == "auto" else dtype

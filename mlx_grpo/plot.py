@@ -144,7 +144,9 @@ def plot_run(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
     except OSError as e:
         raise PlotError(f"--out: cannot write {out} ({e.strerror})") from None
     except ValueError as e:  # an extension matplotlib does not write
-        raise PlotError(f"--out: {out}: {str(e).splitlines()[0]}") from None
+        raise PlotError(
+            f"--out: {out}: {(str(e).splitlines() or ['cannot write it'])[0]}"
+        ) from None
     finally:
         plt.close(fig)
     return out

@@ -269,6 +269,10 @@ def test_run_checkpoint_against_its_base(tiny_model_dir, toy_run, capsys):
     _, printed = _compare(capsys, "--a", step, "--b", step, "--n-tasks", 4, "--out", run / "self")
     assert "note: A and B are the same model and adapters" in printed
     assert (run / "step-000001" / "compare.json").read_bytes() == kept
+    # The run folder's adapters are a copy of its last step's: the same side again.
+    _, printed = _compare(capsys, "--a", f"{run}@step-000002", "--b", run, "--n-tasks", 4)
+    assert "note: A and B are the same model and adapters" in printed
+    assert not (run / "compare.json").exists()
 
     # The same checkpoint named three ways; the run folder itself means its latest.
     for spec in (f"{run}@1", str(run / "step-000001")):

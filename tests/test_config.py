@@ -57,9 +57,6 @@ def test_layers_apply_in_order(tmp_path):
         (["--grpo.beta=0", "--grpo.kl_target=0.1"], "grpo.kl_target needs grpo.beta > 0"),
         (["--grpo.kl_target=0"], "grpo.kl_target"),
         (['--recipe.params={"levels": [1, 2}'], "--recipe.params: not valid JSON (Expecting"),
-        (["--output.run=.."], "output.run: Value error, must name a folder under output.dir"),
-        (["--output.run=a/../../b"], "output.run: Value error, must name a folder"),
-        (["--output.run=/tmp/x"], "output.run: Value error, must name a folder"),
         (
             ['--recipe.weights={"success": 1.0, "format": 0.2}', "--grpo.signal_component=sucess"],
             "grpo.signal_component: 'sucess' is not one of the recipe's reward components "

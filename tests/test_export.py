@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -514,10 +515,13 @@ def test_a_torn_adapter_or_an_out_that_cannot_be_made_is_one_line(tiny_model_dir
 
 def test_an_out_holding_the_run_is_refused_even_with_force(tiny_model_dir, tmp_path):
     run = make_run(tmp_path / "runs" / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    step = run / "step-000002"
+    shutil.copytree(run, step)
     files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    for out in (run, run.parent, tmp_path):
-        with pytest.raises(ExportError, match=f"--out: {out} holds the run {run}"):
-            export(run, "peft", out, base_model="x/y", force=True)
+    for source, out, held in [(run, run, run), (run, run.parent, run), (run, tmp_path, run),
+                              (run, step, step), (step, step, step)]:  # fmt: skip
+        with pytest.raises(ExportError, match=re.escape(f"--out: {out} is or holds {held},")):
+            export(source, "peft", out, base_model="x/y", force=True)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files
 
 
@@ -552,6 +556,13 @@ def test_a_run_whose_top_adapters_are_missing_exports_its_latest_step(tiny_model
     assert got.keys() == last.keys() and all(mx.array_equal(got[k], last[k]) for k in got)
     assert not all(mx.array_equal(got[k], first[k]) for k in got)
     assert sides.resolve_side("b", str(run)).adapter == run / "step-000002"
+    # Killed between the two files of the copy: the weights there, their config not.
+    shutil.copy(run / "step-000001" / "adapters.safetensors", run / "adapters.safetensors")
+    (run / "adapter_config.json").unlink()
+    assert sides.resolve_side("b", str(run)).adapter == run / "step-000002"
+    got = dict(mx.load(str(export(run, "peft", tmp_path / "again", base_model="x/y").out
+                          / "adapter_model.safetensors")))  # fmt: skip
+    assert all(mx.array_equal(got[k], last[k]) for k in got)
 
 
 def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):

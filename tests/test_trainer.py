@@ -583,7 +583,7 @@ def test_a_resume_to_fewer_steps_than_done_is_refused_and_to_as_many_does_nothin
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
 
 
-def test_a_batch_larger_than_the_distinct_tasks_is_one_line_before_the_model_loads(
+def test_a_batch_larger_than_the_distinct_tasks_or_a_run_outside_its_dir_is_one_line(
     tmp_path, monkeypatch
 ):
     import mlx_grpo.models
@@ -595,6 +595,10 @@ def test_a_batch_larger_than_the_distinct_tasks_is_one_line_before_the_model_loa
     args = _args("/nonexistent/m", tmp_path, "r", "--train.batch_size=10", "--recipe.train_size=3")
     with pytest.raises(ConfigError, match=r"^train.batch_size: 10 distinct tasks a step, but 3"):
         cmd_train(args)
+    for run in ("..", "a/../../b", "/tmp/x"):  # a run's folder stays under output.dir
+        with pytest.raises(ConfigError, match=rf"^output.run: '{run}' must name a folder under"):
+            cmd_train(_args("/nonexistent/m", tmp_path / "out", run))
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_output_dir_that_cannot_be_made_is_one_line_before_the_model_loads(
