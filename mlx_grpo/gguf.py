@@ -330,9 +330,18 @@ def default_model_dir(gguf: Path | None = None) -> Path:
 
 
 def ensure_default_model() -> Path:
-    """The converted embedded model folder, converting it on first use (~1 s)."""
+    """The converted embedded model folder, converting it on first use (~1 s).
+
+    FileNotFoundError, with a message for the user, when the embedded model cannot be
+    had: its package is missing, or the cache cannot be written."""
     gguf = find_default_gguf()
     folder = default_model_dir(gguf)
     if not (folder / "config.json").exists():
-        convert_gguf(gguf, folder)
+        try:
+            convert_gguf(gguf, folder)
+        except OSError as e:
+            raise FileNotFoundError(
+                f"the embedded model is converted once into {folder.parent}, which cannot be "
+                f"written ({e.strerror or e}): set MLX_GRPO_CACHE to a writable folder"
+            ) from None
     return folder

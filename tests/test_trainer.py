@@ -219,6 +219,16 @@ def test_missing_embedded_model_package_is_one_clear_line(tmp_path, monkeypatch)
         cmd_train(["--recipe", str(TOY), f"--output.dir={tmp_path}", "--output.run=x"])
 
 
+def test_a_cache_where_the_embedded_model_cannot_be_converted_is_one_line(tmp_path, monkeypatch):
+    from mlx_grpo.models import ModelLoadError
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path / "file"))
+    said = f"model.path: the embedded model is converted once into {tmp_path / 'file' / 'models'}"
+    with pytest.raises(ModelLoadError, match="^" + re.escape(said) + ".*set MLX_GRPO_CACHE"):
+        cmd_train(["--recipe", str(TOY), f"--output.dir={tmp_path}", "--output.run=x"])
+
+
 def test_token_budget_stops_the_run_and_saves(tiny_model_dir, tmp_path, capsys):
     args = _args(tiny_model_dir, tmp_path, "b", "--train.steps=50", "--train.token_budget=100")
     assert cmd_train(args) == 0
