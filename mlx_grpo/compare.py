@@ -271,7 +271,7 @@ def run_compare(argv: list[str], console=None) -> dict:
             console.print(
                 f"note: {s.name} was trained on recipe {trained_on.name}", highlight=False
             )
-    seconds, results, success, cached = {}, {}, None, {}
+    seconds, results, success, cached, stored = {}, {}, None, {}, set()
     shared = evalcache.settings_material(
         cfg, recipe.dir, tasks, args.samples, args.temperature, args.seed, args.batch_tasks
     )
@@ -292,7 +292,8 @@ def run_compare(argv: list[str], console=None) -> dict:
             results[s.flag], seconds[s.flag] = evaluate_side(
                 s, recipe, tasks, cfg, args.samples, args.temperature, args.seed, args.batch_tasks
             )
-            evalcache.store(key, results[s.flag], seconds[s.flag])
+            if evalcache.store(key, results[s.flag], seconds[s.flag]):
+                stored.add(s.flag)
         # The reward's components are known once A has played: check --success-key
         # before B's evaluation is spent.
         success = success or success_rule(args.success_key, recipe, results[s.flag])
@@ -358,7 +359,12 @@ def run_compare(argv: list[str], console=None) -> dict:
             highlight=False,
         )
     keep_in = b.adapter if b.run_dir and not same else None
-    written = write_outputs(data, report, out, keep_in, console)
+    try:
+        written = write_outputs(data, report, out, keep_in, console)
+    except OSError as e:  # a full disk, say: the table is printed, the evaluations kept
+        again = (stored | cached.keys()) == {"a", "b"}
+        kept = "; the evaluations are kept, so the same command again only writes" * again
+        raise CompareError(f"--out: writing in {out} failed ({e.strerror or e}){kept}") from None
     console.print(f"wrote {', '.join(map(str, written))}", highlight=False)
     return data
 

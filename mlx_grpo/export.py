@@ -541,8 +541,15 @@ def export(
         elif out.exists():
             out.unlink()
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # A full disk or a failing drive: OSError from Python's writes, RuntimeError
+        # ("[write] Unable to write ...") from MLX's.
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e)):
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise ExportError(
+                f"--out: writing {out} failed ({why}); nothing was left there"
+            ) from None
         raise
     return Exported(out=out, upload=upload, files=files)
 

@@ -477,6 +477,27 @@ def test_a_cache_that_cannot_be_written_keeps_nothing_and_the_compare_goes_on(
     assert evalcache.load("k", [r.id for r in _results([1, 2])]) is None
 
 
+def test_a_full_disk_at_the_end_is_one_line_and_the_evaluations_are_kept(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    argv = ["--a", tiny_model_dir, "--b", tiny_model_dir, "--recipe", TOY, "--n-tasks", 2]
+    write_outputs = cmp.write_outputs
+    monkeypatch.setattr(cmp, "write_outputs", full)
+    with pytest.raises(cmp.CompareError) as e:
+        _compare(capsys, *argv, "--no-cache", "--out", tmp_path / "out")
+    assert str(e.value) == (
+        f"--out: writing in {tmp_path / 'out'} failed (No space left on device); the "
+        "evaluations are kept, so the same command again only writes"
+    )
+    monkeypatch.setattr(cmp, "write_outputs", write_outputs)
+    capsys.readouterr()  # (the first run's lines)
+    _, printed = _compare(capsys, *argv, "--out", tmp_path / "out")
+    assert "evaluating" not in printed and (tmp_path / "out" / "compare.json").exists()
+
+
 def test_the_machine_in_a_key_names_the_chip_not_its_free_memory(monkeypatch):
     """CUDA's device_info reports free_memory, which moves between any two calls: the
     machine part of a key leaves it out, and keeps what names the device."""

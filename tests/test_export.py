@@ -565,6 +565,23 @@ def test_a_run_whose_top_adapters_are_missing_exports_its_latest_step(tiny_model
     assert all(mx.array_equal(got[k], last[k]) for k in got)
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [RuntimeError("[write] Unable to write 3835 bytes to file."), OSError(28, "No space left")],
+)
+def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, tmp_path, monkeypatch, failure):
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+
+    def full(*a, **k):
+        raise failure
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(ExportError, match=re.escape(f"--out: writing {tmp_path / 'out'} failed (")):
+        export(run, "peft", tmp_path / "out", base_model="x/y")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):
     run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
     (tmp_path / "out").mkdir()
