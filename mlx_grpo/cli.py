@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from mlx_grpo.checkpoint import CheckpointError, publish_adapters
 from mlx_grpo.config import ConfigError, RunConfig, build_config, config_help, parse_overrides
-from mlx_grpo.durable import FULL_DISK, check_writable
+from mlx_grpo.durable import FULL_DISK
 from mlx_grpo.recipe import recipe_defaults
-from mlx_grpo.runfolder import RunFolder, step_of
+from mlx_grpo.runfolder import RunBusy, RunFolder, step_of
 
 USAGE = """\
 mlx-grpo train [--recipe NAME|PATH] [--config FILE.toml] [--resume [RUN_DIR]]
@@ -128,23 +129,8 @@ def spread(tasks: list, n: int) -> list:
 
 
 def cmd_train(argv: list[str]) -> int:
-    import mlx.core as mx
-
-    from mlx_grpo._blas import blas_in_use
-    from mlx_grpo.curriculum import make_curriculum
     from mlx_grpo.dist import Dist
-    from mlx_grpo.evaluate import make_eval_fn
-    from mlx_grpo.log import Display
-    from mlx_grpo.models import (
-        adapter_config,
-        apply_lora,
-        load_init_adapter,
-        load_model,
-        trainable_count,
-    )
-    from mlx_grpo.recipe import Recipe
     from mlx_grpo.trackers import require as require_trackers
-    from mlx_grpo.trainer import Interrupted, build_optimizer, train
 
     dist = Dist()
     cfg, run_dir, resume_from = _shared_config(dist, argv)
@@ -165,14 +151,43 @@ def cmd_train(argv: list[str]) -> int:
         )
         return 0
 
-    def check_output() -> None:  # before the model loads (config.json comes once it starts)
+    held: list[int] = []
+
+    def claim() -> None:  # before the model loads (config.json comes once it starts)
         require_trackers(cfg.output.report_to)
         try:
-            check_writable(run_dir)
+            held.append(RunFolder(run_dir).hold())
         except OSError as e:
             raise ConfigError(f"output.dir: cannot write in {run_dir} ({e.strerror})") from None
+        except RunBusy as e:
+            raise ConfigError(str(e)) from None
 
-    dist.run_on_main(check_output)
+    dist.run_on_main(claim)
+    try:
+        return _train(dist, cfg, run_dir, resume_from, done)
+    finally:
+        for fd in held:  # (the flock goes with it)
+            os.close(fd)
+
+
+def _train(dist, cfg: RunConfig, run_dir: Path, resume_from: Path | None, done: int) -> int:
+    """`cmd_train` once the run is claimed: load, set up and train."""
+    import mlx.core as mx
+
+    from mlx_grpo._blas import blas_in_use
+    from mlx_grpo.curriculum import make_curriculum
+    from mlx_grpo.evaluate import make_eval_fn
+    from mlx_grpo.log import Display
+    from mlx_grpo.models import (
+        adapter_config,
+        apply_lora,
+        load_init_adapter,
+        load_model,
+        trainable_count,
+    )
+    from mlx_grpo.recipe import Recipe
+    from mlx_grpo.trainer import Interrupted, build_optimizer, train
+
     mx.random.seed(cfg.train.seed)
     recipe = Recipe.from_config(cfg.recipe)
     train_tasks = recipe.tasks("train", cfg.recipe.train_size, cfg.train.seed)

@@ -15,6 +15,7 @@ without loading a model).
       compare.json                the last `python -m mlx_grpo.compare` with this run as B
                                   (a step folder holds its own: B named as RUN@step)
       export-<format>/            `python -m mlx_grpo export` output
+      .lock                       flock'ed by the process training the run (its pid)
 
 A checkpoint is named on the command line as the run folder (its latest step), one of
 its step folders, or `RUN@step-000020` / `RUN@20`.
@@ -41,6 +42,10 @@ def step_of(name: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+class RunBusy(RuntimeError):
+    """Another process is training the run; one line."""
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """A run folder <output.dir>/<run>/. Constructing one touches no file."""
@@ -60,6 +65,7 @@ class RunFolder:
     WARMSTART = "warmstart.json"
     REFERENCE = "reference.safetensors"
     START = "start.partial"  # the start of a run before its first checkpoint
+    LOCK = ".lock"
 
     def __post_init__(self):
         object.__setattr__(self, "path", Path(self.path))
@@ -70,6 +76,29 @@ class RunFolder:
     @property
     def name(self) -> str:
         return self.path.name
+
+    def hold(self) -> int:
+        """Claim the run for this process: an exclusive flock on its `.lock` (made with
+        the folder), released when the returned descriptor is closed or the process
+        ends, however it ends. RunBusy when another process holds it; OSError when the
+        folder cannot be written."""
+        import fcntl
+        import os
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunBusy(
+                f"output.run: {self.path} is being trained by another process (pid {holder}); "
+                "wait for it to end, or stop it, before training this run again"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
 
     @property
     def config_file(self) -> Path:

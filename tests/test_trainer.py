@@ -124,6 +124,12 @@ def test_resume_after_kill_continues_exactly(tiny_model_dir, tmp_path):
     victim = _run_cli(_args(tiny_model_dir, tmp_path, "killed", *steps))
     metrics = tmp_path / "killed" / "metrics.jsonl"
     _wait_for_steps(metrics, 5)
+    # While it trains, no other process may train the same run; its kill frees it.
+    busy = (
+        f"output.run: {tmp_path / 'killed'} is being trained by another process (pid {victim.pid})"
+    )
+    with pytest.raises(ConfigError, match="^" + re.escape(busy)):
+        cmd_train(["--resume", str(tmp_path / "killed")])
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     logged = len(metrics.read_text().splitlines())
