@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -140,34 +139,38 @@ def cmd_train(argv: list[str]) -> int:
             f"train.steps: {cfg.train.steps} is below step {done}, where {run_dir} stands "
             "(a resume continues up to train.steps)"
         )
-    if done and done == cfg.train.steps:
-        # (what a resume redoes in any case: a kill may have come between `latest` and
-        # the run folder's copy of the last adapters)
-        dist.run_on_main(lambda: publish_adapters(resume_from))
-        print(
-            f"{run_dir} has all its {done} steps; nothing to train (raise --train.steps "
-            "to continue it)",
-            file=sys.stderr,
-        )
-        return 0
-
-    held: list[int] = []
+    folder, held = RunFolder(run_dir), []
 
     def claim() -> None:  # before the model loads (config.json comes once it starts)
         require_trackers(cfg.output.report_to)
         try:
-            held.append(RunFolder(run_dir).hold())
+            held.append(folder.hold(warn=lambda line: print(line, file=sys.stderr)))
         except OSError as e:
             raise ConfigError(f"output.dir: cannot write in {run_dir} ({e.strerror})") from None
         except RunBusy as e:
             raise ConfigError(str(e)) from None
+        if folder.latest_step_dir() != resume_from:  # another process ended in between
+            raise ConfigError(
+                f"output.run: {run_dir} was trained by another process while this one "
+                "started; run the command again"
+            )
 
-    dist.run_on_main(claim)
     try:
+        dist.run_on_main(claim)
+        if done and done == cfg.train.steps:
+            # (what a resume redoes in any case: a kill may have come between `latest`
+            # and the run folder's copy of the last adapters)
+            dist.run_on_main(lambda: publish_adapters(resume_from))
+            print(
+                f"{run_dir} has all its {done} steps; nothing to train (raise "
+                "--train.steps to continue it)",
+                file=sys.stderr,
+            )
+            return 0
         return _train(dist, cfg, run_dir, resume_from, done)
     finally:
-        for fd in held:  # (the flock goes with it)
-            os.close(fd)
+        for fd in held:
+            folder.release(fd)
 
 
 def _train(dist, cfg: RunConfig, run_dir: Path, resume_from: Path | None, done: int) -> int:

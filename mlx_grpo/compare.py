@@ -363,7 +363,8 @@ def run_compare(argv: list[str], console=None) -> dict:
         written = write_outputs(data, report, out, keep_in, console)
     except OSError as e:  # a full disk, say: the table is printed, the evaluations kept
         again = (stored | cached.keys()) == {"a", "b"}
-        kept = "; the evaluations are kept, so the same command again only writes" * again
+        kept = "; the evaluations are kept, so the same command" * again
+        kept += " without --no-cache" * (again and args.no_cache) + " only writes" * again
         raise CompareError(f"--out: writing in {out} failed ({e.strerror or e}){kept}") from None
     console.print(f"wrote {', '.join(map(str, written))}", highlight=False)
     return data

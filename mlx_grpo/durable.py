@@ -83,6 +83,14 @@ def _write_synced(path: Path, data: bytes, flags: int) -> None:
         os.close(fd)
 
 
+def write_failed(e: BaseException) -> bool:
+    """A failed write, as a full disk gives: Python's OSError, or MLX's RuntimeError
+    ('[write] Unable to write 3835 bytes to file.')."""
+    if isinstance(e, OSError):
+        return True
+    return type(e) is RuntimeError and str(e).startswith("[write]")
+
+
 def check_writable(folder: Path) -> None:
     """OSError unless a file can be made in `folder` (created with its parents for the
     trial, and removed again if it was made for it)."""

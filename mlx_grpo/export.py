@@ -48,6 +48,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_grpo.checkpoint import CheckpointError, load_arrays
 from mlx_grpo.config import ConfigError, RunConfig, build_config
+from mlx_grpo.durable import write_failed
 from mlx_grpo.model_card import Compare, hub_id, model_card
 from mlx_grpo.runfolder import RunFolder, step_of
 
@@ -543,10 +544,8 @@ def export(
         os.rename(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        # A full disk or a failing drive: OSError from Python's writes, RuntimeError
-        # ("[write] Unable to write ...") from MLX's.
-        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e)):
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        if write_failed(e):  # a full disk, a failing drive
+            why = e.strerror if isinstance(e, OSError) and e.strerror else f"{e}".strip()
             raise ExportError(
                 f"--out: writing {out} failed ({why}); nothing was left there"
             ) from None

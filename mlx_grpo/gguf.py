@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_grpo._paths import cache_root
+from mlx_grpo.durable import write_failed
 
 # Bump when the output of `convert_gguf` changes: the cache folder name follows it,
 # so old conversions are not reused.
@@ -339,9 +340,11 @@ def ensure_default_model() -> Path:
     if not (folder / "config.json").exists():
         try:
             convert_gguf(gguf, folder)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
+            if not write_failed(e):
+                raise
             raise FileNotFoundError(
                 f"the embedded model is converted once into {folder.parent}, which cannot be "
-                f"written ({e.strerror or e}): set MLX_GRPO_CACHE to a writable folder"
+                f"written ({getattr(e, 'strerror', None) or e}): set MLX_GRPO_CACHE to a writable folder"
             ) from None
     return folder

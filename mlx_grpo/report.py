@@ -303,8 +303,15 @@ def write_outputs(data: dict, report: Report, out: Path, adapters: Path | None, 
         written.append(png)
     copy = RunFolder(adapters).compare_file if adapters is not None else None
     if copy is not None and path.resolve() != copy.resolve():
-        shutil.copyfile(path, copy)
-        written.append(copy)
+        try:
+            shutil.copyfile(path, copy)
+            written.append(copy)
+        except OSError as e:  # a read-only run, a step the run has since pruned
+            console.print(
+                f"warning: {copy} not written ({e.strerror}), so an export's model card "
+                "will not quote this compare",
+                highlight=False,
+            )
     return written
 
 

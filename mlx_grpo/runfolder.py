@@ -77,28 +77,52 @@ class RunFolder:
     def name(self) -> str:
         return self.path.name
 
-    def hold(self) -> int:
+    def hold(self, warn=print) -> int:
         """Claim the run for this process: an exclusive flock on its `.lock` (made with
         the folder), released when the returned descriptor is closed or the process
         ends, however it ends. RunBusy when another process holds it; OSError when the
-        folder cannot be written."""
+        folder cannot be written. A filesystem without flock (NFS without its lock
+        daemon, some FUSE mounts) trains unlocked, with a `warn`ing."""
+        import errno
         import fcntl
         import os
 
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                raise RunBusy(
+                    f"output.run: {self.path} is being trained by another process (pid "
+                    f"{holder}); wait for it to end, or stop it, before training it again"
+                ) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                warn(
+                    f"warning: {self.path / self.LOCK} cannot be locked here ({e.strerror}): "
+                    "make sure no other process trains this run meanwhile"
+                )
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except BaseException:
             os.close(fd)
-            raise RunBusy(
-                f"output.run: {self.path} is being trained by another process (pid {holder}); "
-                "wait for it to end, or stop it, before training this run again"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            raise
         return fd
+
+    def release(self, fd: int) -> None:
+        """Close `hold`'s descriptor (the flock goes with it); a folder that holds nothing
+        but the lock, a start that failed before it wrote anything, is removed."""
+        import contextlib
+        import os
+
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            if os.listdir(self.path) == [self.LOCK]:
+                (self.path / self.LOCK).unlink()
+                self.path.rmdir()
 
     @property
     def config_file(self) -> Path:

@@ -490,7 +490,7 @@ def test_a_full_disk_at_the_end_is_one_line_and_the_evaluations_are_kept(
         _compare(capsys, *argv, "--no-cache", "--out", tmp_path / "out")
     assert str(e.value) == (
         f"--out: writing in {tmp_path / 'out'} failed (No space left on device); the "
-        "evaluations are kept, so the same command again only writes"
+        "evaluations are kept, so the same command without --no-cache only writes"
     )
     monkeypatch.setattr(cmp, "write_outputs", write_outputs)
     capsys.readouterr()  # (the first run's lines)

@@ -580,6 +580,9 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, tmp_path, mo
     with pytest.raises(ExportError, match=re.escape(f"--out: writing {tmp_path / 'out'} failed (")):
         export(run, "peft", tmp_path / "out", base_model="x/y")
     assert sorted(tmp_path.rglob("*")) == before
+    (tmp_path / "storywriter").mkdir()  # an error of its own is not taken for a full disk
+    with pytest.raises(ExportError, match="^model.path: .*storywriter has no config.json"):
+        export(tmp_path / "storywriter", "base", tmp_path / "out")
 
 
 def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):

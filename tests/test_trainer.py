@@ -611,10 +611,47 @@ def test_a_batch_larger_than_the_distinct_tasks_or_a_run_outside_its_dir_is_one_
     args = _args("/nonexistent/m", tmp_path, "r", "--train.batch_size=10", "--recipe.train_size=3")
     with pytest.raises(ConfigError, match=r"^train.batch_size: 10 distinct tasks a step, but 3"):
         cmd_train(args)
+    assert not (tmp_path / "r").exists()  # a start that wrote nothing leaves no folder
     for run in ("..", "a/../../b", "/tmp/x"):  # a run's folder stays under output.dir
         with pytest.raises(ConfigError, match=rf"^output.run: '{run}' must name a folder under"):
             cmd_train(_args("/nonexistent/m", tmp_path / "out", run))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_trained_by_another_process_meanwhile_is_not_taken_over(tmp_path, monkeypatch):
+    """Between reading the run and claiming it, another process may have trained it and
+    ended; and where flock is not supported the run trains unlocked, with a warning."""
+    import errno
+    import fcntl
+
+    from mlx_grpo.runfolder import RunFolder
+
+    hold = RunFolder.hold
+
+    def meanwhile(folder, **kw):
+        fd = hold(folder, **kw)
+        (folder.path / "step-000003").mkdir()
+        (folder.path / "step-000003" / "state.json").write_text('{"step": 3}')
+        return fd
+
+    monkeypatch.setattr(RunFolder, "hold", meanwhile)
+    said = f"output.run: {tmp_path / 'r'} was trained by another process while this one started"
+    with pytest.raises(ConfigError, match="^" + re.escape(said)):
+        cmd_train(_args("/nonexistent/m", tmp_path, "r"))
+    monkeypatch.setattr(RunFolder, "hold", hold)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    warned = []
+    fd = RunFolder(tmp_path / "nfs").hold(warn=warned.append)
+    RunFolder(tmp_path / "nfs").release(fd)
+    assert warned == [
+        f"warning: {tmp_path / 'nfs' / '.lock'} cannot be locked here (No locks available): "
+        "make sure no other process trains this run meanwhile"
+    ]
+    assert not (tmp_path / "nfs").exists()
 
 
 def test_an_output_dir_that_cannot_be_made_is_one_line_before_the_model_loads(
