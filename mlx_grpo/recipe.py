@@ -402,7 +402,9 @@ def _check_arity(fn, want: str, what: str, also: str = "") -> None:
     try:
         sig.bind(*range(want.count(",") + 1))
     except TypeError:
-        raise ConfigError(f"{what} takes {sig}; a reward takes {want}{also}") from None
+        bare = [p.replace(annotation=p.empty) for p in sig.parameters.values()]
+        takes = sig.replace(parameters=bare, return_annotation=sig.empty)
+        raise ConfigError(f"{what} takes {takes}; a reward takes {want}{also}") from None
 
 
 def _short_hash(text: str) -> str:

@@ -167,7 +167,9 @@ def test_bad_reward_specs_are_one_line_errors(tmp_path):
         Recipe(str(tmp_path), {}, {}, rewards={"x": "nofile.py:f"}, tasks="t.jsonl")
     with pytest.raises(ConfigError, match="not 'module:function'"):
         Recipe(str(tmp_path), {}, {}, rewards={"x": "just_a_name"}, tasks="t.jsonl")
-    r = Recipe(str(tmp_path), {}, {}, rewards={"x": "rewards.replies:tone"}, tasks="t.jsonl")
+    with pytest.raises(ConfigError, match=r"rewards.replies:tone takes \(text\); a reward takes"):
+        Recipe(str(tmp_path), {}, {}, rewards={"x": "rewards.replies:tone"}, tasks="t.jsonl")
+    r = Recipe(str(tmp_path), {}, {}, rewards={"x": "rewards.replies:reward"}, tasks="t.jsonl")
     with pytest.raises(ConfigError, match=r"t.jsonl:2: a task needs 'prompt' or 'messages'"):
         r.tasks("train", 10, 0)
 
