@@ -170,11 +170,9 @@ def read_run(path: Path, adapters: bool = True) -> Run:
         raise ExportError(str(e)) from None
     weights, adapter_cfg = {}, {}
     if adapters:
+        if path == run_dir:
+            path = RunFolder(run_dir).adapters_dir()
         file = path / RunFolder.ADAPTERS
-        latest = RunFolder(run_dir).latest_step_dir()
-        whole = file.exists() and (path / RunFolder.ADAPTER_CONFIG).exists()
-        if not whole and path == run_dir and latest is not None:
-            path, file = latest, latest / RunFolder.ADAPTERS  # (a kill before their copy)
         if not file.exists():
             raise ExportError(f"{file}: not found (the run has saved no adapters yet)")
         adapter_cfg = _read_json(path / RunFolder.ADAPTER_CONFIG)

@@ -202,6 +202,13 @@ class RunFolder:
         dirs = self.step_dirs()
         return dirs[-1] if dirs else None
 
+    def adapters_dir(self) -> Path:
+        """Where the run's latest adapters are whole: its own copy, else (a kill between
+        a checkpoint and that copy) its newest step folder; the run folder before any."""
+        if all((self.path / f).exists() for f in (self.ADAPTERS, self.ADAPTER_CONFIG)):
+            return self.path
+        return self.latest_step_dir() or self.path
+
     def find_step(self, ref: str) -> Path | None:
         """The step folder `ref` names ('20' or 'step-000020'), if it exists."""
         name = step_name(int(ref)) if ref.isdigit() else ref

@@ -122,10 +122,7 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
     if adapter is not None:
         raise CompareError(f"--{flag}-adapter: {spec} is a run folder, which has its own adapters")
     cfg = _read_run_config(run_dir, flag)
-    folder = step_dir or run_dir
-    whole = all((folder / f).exists() for f in (RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG))
-    if not whole and step_dir is None:
-        folder = RunFolder(run_dir).latest_step_dir() or folder  # (a kill before their copy)
+    folder = step_dir or RunFolder(run_dir).adapters_dir()
     if not (folder / RunFolder.ADAPTERS).exists():
         raise CompareError(f"{opt}: {folder} has no adapters.safetensors (no checkpoint saved yet)")
     _check_adapter(folder, opt)
