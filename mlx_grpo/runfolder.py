@@ -24,10 +24,24 @@ its step folders, or `RUN@step-000020` / `RUN@20`.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 STEP_PREFIX = "step-"
+
+# Run locks this process holds (`RunFolder.hold`). A child it forks without exec (a
+# reward's multiprocessing pool) closes its copies at once, so workers that outlive a
+# killed run do not keep the run "being trained".
+_held: set[int] = set()
+
+
+def _drop_held_in_child() -> None:
+    while _held:
+        os.close(_held.pop())  # not LOCK_UN: that would release the parent's lock too
+
+
+os.register_at_fork(after_in_child=_drop_held_in_child)
 
 
 def step_name(step: int) -> str:
@@ -85,7 +99,6 @@ class RunFolder:
         daemon, some FUSE mounts) trains unlocked, with a `warn`ing."""
         import errno
         import fcntl
-        import os
 
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o666)
@@ -110,14 +123,15 @@ class RunFolder:
         except BaseException:
             os.close(fd)
             raise
+        _held.add(fd)
         return fd
 
     def release(self, fd: int) -> None:
         """Close `hold`'s descriptor (the flock goes with it); a folder that holds nothing
         but the lock, a start that failed before it wrote anything, is removed."""
         import contextlib
-        import os
 
+        _held.discard(fd)
         os.close(fd)
         with contextlib.suppress(OSError):
             if os.listdir(self.path) == [self.LOCK]:

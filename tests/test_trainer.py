@@ -654,6 +654,30 @@ def test_a_run_trained_by_another_process_meanwhile_is_not_taken_over(tmp_path, 
     assert not (tmp_path / "nfs").exists()
 
 
+def test_a_child_forked_by_the_training_process_does_not_keep_the_run_locked(tmp_path):
+    """A reward's multiprocessing workers are forked without exec and inherit every
+    descriptor; once the training process lets go (or dies), the run is free to resume
+    even while such a worker lives on."""
+
+    from mlx_grpo.runfolder import RunBusy, RunFolder
+
+    run = RunFolder(tmp_path / "r")
+    fd = run.hold()
+    (run.path / "config.json").write_text("{}")  # so that release keeps the folder
+    child = os.fork()
+    if child == 0:  # a worker that outlives the run
+        time.sleep(60)
+        os._exit(0)
+    try:
+        with pytest.raises(RunBusy):  # held, as long as the parent holds it
+            RunFolder(tmp_path / "r").hold()
+        run.release(fd)
+        RunFolder(tmp_path / "r").release(RunFolder(tmp_path / "r").hold())
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def test_an_output_dir_that_cannot_be_made_is_one_line_before_the_model_loads(
     tiny_model_dir, tmp_path, capsys, monkeypatch
 ):
