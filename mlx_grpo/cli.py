@@ -17,7 +17,7 @@ from pathlib import Path
 from mlx_grpo.checkpoint import CheckpointError, publish_adapters
 from mlx_grpo.config import ConfigError, RunConfig, build_config, config_help, parse_overrides
 from mlx_grpo.durable import FULL_DISK
-from mlx_grpo.recipe import recipe_defaults
+from mlx_grpo.recipe import recipe_defaults, recipe_dir
 from mlx_grpo.runfolder import RunBusy, RunFolder, step_of
 
 USAGE = """\
@@ -86,7 +86,7 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
             base = json.loads(saved.read_text())
         except ValueError as e:
             raise ConfigError(f"--resume: {saved} is not valid JSON ({e})") from None
-        cfg = build_config(base, args.config, overrides, source="config")
+        cfg = build_config(base, args.config, overrides, source="config", defaults_file=saved)
         return cfg, run_dir, step_dir
 
     name = args.recipe or overrides.get("recipe", {}).get("name") or "arithmetic"
@@ -98,7 +98,13 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
 
         # The adapter's shape decides the lora section (it must fit its weights).
         overrides["lora"] = {**overrides.get("lora", {}), **lora_from_adapter(init)}
-    cfg = build_config(recipe_defaults(name), args.config, overrides, source="config")
+    cfg = build_config(
+        recipe_defaults(name),
+        args.config,
+        overrides,
+        source="config",
+        defaults_file=recipe_dir(name) / "recipe.toml",
+    )
     run = cfg.output.run or f"{Path(cfg.recipe.name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if Path(run).is_absolute() or {".", ".."} & set(run.split("/")):
         raise ConfigError(

@@ -679,13 +679,36 @@ def build_config(
     overrides: dict | None = None,
     *,
     source: str = "config",
+    defaults_file: Path | str | None = None,
 ) -> RunConfig:
-    """Merge the layers and validate once; raises ConfigError with a one-line message."""
+    """Merge the layers and validate once; raises ConfigError with a one-line message
+    that starts with the file the faulty value came from (`defaults_file` names the
+    first layer's: the recipe's recipe.toml, or a resumed run's config.json), else
+    with `source`."""
+    layers = (
+        (defaults_file, recipe_defaults),
+        (config_file, read_toml(config_file) if config_file else None),
+        (None, overrides),
+    )
     data: dict = {}
-    for layer in (recipe_defaults, read_toml(config_file) if config_file else None, overrides):
+    for _, layer in layers:
         if layer:
             data = _merge(data, layer)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
+        loc = e.errors()[0]["loc"]
+        where = next((name for name, layer in reversed(layers) if _holds(layer, loc)), None)
+        raise ConfigError(_format_error(e, str(where or source))) from None
+
+
+def _holds(layer: Any, loc: tuple) -> bool:
+    """Whether a config layer sets the value at `loc` (a pydantic error's location)."""
+    if not loc or not layer:
+        return False
+    for part in loc:
+        try:
+            layer = layer[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return True

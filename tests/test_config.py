@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mlx_grpo.config import ConfigError, build_config, parse_overrides
-from mlx_grpo.recipe import recipe_defaults
+from mlx_grpo.recipe import recipe_defaults, recipe_dir
 
 
 def test_overrides_parse_types_and_nesting():
@@ -82,6 +83,35 @@ def test_bad_command_line_and_files(tmp_path):
         ConfigError, match="recipe: 'nope' not found \\(built-in recipes: arithmetic"
     ):
         recipe_defaults("nope")
+
+
+def test_a_bad_value_names_the_file_it_came_from(tmp_path):
+    """A faulty value is blamed on the last layer that set it: the recipe's recipe.toml,
+    a --config file, a resumed run's config.json, or the command line ("config")."""
+    from mlx_grpo.cli import resolve_config
+
+    recipe = tmp_path / "toy"
+    shutil.copytree(recipe_dir("arithmetic"), recipe)
+    toml = recipe / "recipe.toml"
+    toml.write_text(toml.read_text().replace("[optimizer]", '[optimizer]\nweight_decay = "two"'))
+    run = ["--recipe", str(recipe), f"--output.dir={tmp_path}", "--output.run=r"]
+    said = f"{toml}: optimizer.weight_decay: Input should be a valid number"
+    with pytest.raises(ConfigError, match="^" + re.escape(said)):
+        resolve_config(run)
+    layer = tmp_path / "run.toml"
+    layer.write_text("[optimizer]\nweight_decay = -1\n")
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{layer}: optimizer.weight_decay")):
+        resolve_config([*run, "--config", str(layer)])
+    with pytest.raises(ConfigError, match=r"^config: optimizer.weight_decay: .* \(got 'x'\)"):
+        resolve_config([*run, "--config", str(layer), "--optimizer.weight_decay=x"])
+    cfg, _, _ = resolve_config([*run, "--optimizer.weight_decay=0.1"])  # the last layer wins
+    assert cfg.optimizer.weight_decay == 0.1
+
+    saved = tmp_path / "r" / "config.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps({**cfg.model_dump(mode="json"), "train": {"steps": 0}}))
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{saved}: train.steps")):
+        resolve_config(["--resume", str(saved.parent)])
 
 
 def test_one_command_lists_every_option_of_every_section(capsys):
