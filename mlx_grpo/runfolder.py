@@ -131,6 +131,8 @@ class RunFolder:
         but the lock, a start that failed before it wrote anything, is removed."""
         import contextlib
 
+        if fd not in _held:  # a forked child's: the hook closed it already
+            return
         _held.discard(fd)
         os.close(fd)
         with contextlib.suppress(OSError):

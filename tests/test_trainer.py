@@ -664,11 +664,16 @@ def test_a_child_forked_by_the_training_process_does_not_keep_the_run_locked(tmp
     run = RunFolder(tmp_path / "r")
     fd = run.hold()
     (run.path / "config.json").write_text("{}")  # so that release keeps the folder
+    ready, said = os.pipe()
     child = os.fork()
     if child == 0:  # a worker that outlives the run
-        time.sleep(60)
-        os._exit(0)
+        try:
+            os.write(said, b"1")  # the fork hooks have run
+            time.sleep(60)
+        finally:
+            os._exit(0)
     try:
+        assert os.read(ready, 1) == b"1"
         with pytest.raises(RunBusy):  # held, as long as the parent holds it
             RunFolder(tmp_path / "r").hold()
         run.release(fd)
@@ -676,6 +681,8 @@ def test_a_child_forked_by_the_training_process_does_not_keep_the_run_locked(tmp
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+        os.close(ready)
+        os.close(said)
 
 
 def test_an_output_dir_that_cannot_be_made_is_one_line_before_the_model_loads(
