@@ -8,7 +8,8 @@ reads one JSON job from stdin, then, before any untrusted code:
 2. sets the resource limits (CPU seconds, address space, file size, processes, files),
 3. (root) drops to the job's unprivileged uid/gid, so RLIMIT_NPROC applies to it,
 4. (Linux) installs a seccomp filter under which fork, exec, new namespaces and ptrace
-   end the process (SIGSYS) and a new thread is refused,
+   end the process (SIGSYS), a new thread is refused, and the kernel keyrings, bpf and
+   sockets other than unix and IP ones are refused (see `_SYSCALLS`),
 5. points fds 1 and 2 at out.txt in the working directory (user prints land there,
    capped by RLIMIT_FSIZE) and keeps a private copy of the original stdout for results,
 6. removes from sys.modules every module the program may not import (ctypes, loaded
@@ -105,12 +106,35 @@ def _confine(job):
 # seccomp (Linux): system calls that end the process (SIGSYS) whatever the program did
 # to the audit hook: new processes (fork, vfork, clone without CLONE_THREAD), exec, new
 # namespaces, ptrace. clone3 answers ENOSYS (libc falls back to clone, whose flags the
-# filter can read); a new thread answers EAGAIN, as RLIMIT_NPROC would.
-_SYSCALLS = {  # machine: (AUDIT_ARCH, killed, clone, clone3, x32 bit)
-    "x86_64": (0xC000003E, (57, 58, 59, 322, 101, 272, 308), 56, 435, 0x40000000),
-    "aarch64": (0xC00000B7, (221, 281, 117, 97, 268), 220, 435, None),
+# filter can read); a new thread answers EAGAIN, as RLIMIT_NPROC would. Calls that reach
+# state the namespaces do not separate answer EPERM: the kernel keyrings (the trainer's
+# session keyring, and a slot uid's user keyring that would outlive the job), bpf,
+# perf_event_open, userfaultfd, io_uring and other processes' memory. A socket or socket
+# pair of a family other than unix, IPv4 and IPv6 (which the network namespace holds)
+# answers EAFNOSUPPORT: vsock shares the host's port space, netlink and packet sockets
+# reach the kernel's own.
+_SYSCALLS = {  # machine: (AUDIT_ARCH, killed, denied, (socket, socketpair), clone, clone3, x32 bit)
+    "x86_64": (
+        0xC000003E,
+        (57, 58, 59, 322, 101, 272, 308),
+        (248, 249, 250, 321, 298, 323, 425, 426, 427, 310, 311),
+        (41, 53),
+        56,
+        435,
+        0x40000000,
+    ),
+    "aarch64": (
+        0xC00000B7,
+        (221, 281, 117, 97, 268),
+        (217, 218, 219, 280, 241, 282, 425, 426, 427, 270, 271),
+        (198, 199),
+        220,
+        435,
+        None,
+    ),
 }
 _CLONE_THREAD = 0x10000
+_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 
 
 def _seccomp_program(machine):
@@ -119,7 +143,7 @@ def _seccomp_program(machine):
 
     if machine not in _SYSCALLS:
         return None
-    arch, killed, clone, clone3, x32 = _SYSCALLS[machine]
+    arch, killed, denied, sockets, clone, clone3, x32 = _SYSCALLS[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     kill, allow, errno_ret = 0x80000000, 0x7FFF0000, 0x00050000
     # (label, (code, label if true, label if false, k)); labels become jump offsets.
@@ -128,13 +152,20 @@ def _seccomp_program(machine):
     if x32 is not None:  # the x32 ABI's numbers: none is allowed
         insns.append((None, (jge, "kill", None, x32)))
     insns += [(None, (jeq, "kill", None, nr)) for nr in killed]
+    insns += [(None, (jeq, "eperm", None, nr)) for nr in denied]
+    insns += [(None, (jeq, "socket", None, nr)) for nr in sockets]
     insns += [(None, (jeq, "clone", None, clone)), (None, (jeq, "nosys", None, clone3))]
     insns.append((None, (ret, None, None, allow)))
     insns.append(("clone", (ld, None, None, 16)))  # the low half of the flags argument
     insns.append((None, (jset, "eagain", "kill", _CLONE_THREAD)))
+    insns.append(("socket", (ld, None, None, 16)))  # the low half of the family argument
+    insns += [(None, (jeq, "family_ok", None, family)) for family in _SOCKET_FAMILIES]
+    insns.append((None, (ret, None, None, errno_ret | errno.EAFNOSUPPORT)))
+    insns.append(("family_ok", (ret, None, None, allow)))
     insns.append(("kill", (ret, None, None, kill)))
     insns.append(("nosys", (ret, None, None, errno_ret | errno.ENOSYS)))
     insns.append(("eagain", (ret, None, None, errno_ret | errno.EAGAIN)))
+    insns.append(("eperm", (ret, None, None, errno_ret | errno.EPERM)))
     where = {label: i for i, (label, _) in enumerate(insns) if label}
     out = b""
     for i, (_, (code, jt, jf, k)) in enumerate(insns):

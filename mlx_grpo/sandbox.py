@@ -51,6 +51,7 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -67,7 +68,10 @@ from mlx_grpo.tether import tether, untether
 CHILD = Path(__file__).with_name("_sandbox_child.py")
 SLOT_UID_BASE = 60000  # uids (and gids) 60000.. are used for sandbox slots when root
 SLOT_UID_COUNT = 4096  # how far past the base a Sandbox looks for free uids
-SLOT_LOCK = "/tmp/mlx-grpo-slot-{uid}.lock"  # flock'ed while a Sandbox holds that uid
+# flock'ed while a Sandbox holds that uid, in a folder only root can write: in a shared
+# /tmp a program running as a slot uid (weak isolation) could plant them and hold slots.
+SLOT_LOCKS = "/run/mlx-grpo" if os.path.isdir("/run") else "/var/lib/mlx-grpo"
+SLOT_LOCK = SLOT_LOCKS + "/slot-{uid}.lock"
 # Exit status of a child the audit hook ended, per reason (_sandbox_child.VIOLATION_RC).
 VIOLATION_RC = {81: "forbidden_file", 82: "network", 83: "process", 84: "forbidden_module"}
 ISOLATION = ("strong", "weak")
@@ -371,6 +375,10 @@ def _claim_uids(n: int) -> tuple[list[int], list[int]]:
     """Claim `n` slot uids no other Sandbox on this machine holds: an exclusive flock on
     SLOT_LOCK per uid, held until the returned descriptors are closed (or the process
     ends). Returns (uids, lock fds)."""
+    os.makedirs(SLOT_LOCKS, mode=0o700, exist_ok=True)
+    st = os.stat(SLOT_LOCKS, follow_symlinks=False)
+    if st.st_uid != 0 or st.st_mode & 0o022 or not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"sandbox: {SLOT_LOCKS} must be a folder only root can write")
     uids: list[int] = []
     fds: list[int] = []
     for uid in range(SLOT_UID_BASE, SLOT_UID_BASE + SLOT_UID_COUNT):
@@ -533,7 +541,7 @@ class Sandbox:
             # come sooner. Elsewhere threads can outrun the clock: no telling.
             elapsed = time.perf_counter() - tic
             hard_cpu = not payload["seccomp"] or elapsed >= lim.cpu_s + 1
-            out = _outcome(rc, data, timed_out, overflow, len(job.inputs), hard_cpu)
+            out = _outcome(rc, data, timed_out, overflow, len(job.inputs), hard_cpu, lim.repr_chars)
         finally:
             _kill_all(proc, uid)
             if proc is not None:
@@ -660,18 +668,19 @@ def _outcome(
     overflow: bool,
     n_calls: int,
     hard_cpu: bool,
+    repr_chars: int = Limits.repr_chars,
 ) -> Outcome:
     """`hard_cpu`: whether the program can have reached RLIMIT_CPU's hard limit."""
     if overflow:
         return Outcome(reason="output_limit", detail="report larger than the cap")
     if rc in VIOLATION_RC:  # the audit hook refused an operation and ended the process
         return Outcome(values=[None] * n_calls, reason=VIOLATION_RC[rc], detail=_violation(data))
-    report = _report(data, n_calls)
+    if timed_out:  # whatever it wrote first: the child reports as it exits
+        return Outcome(reason="timeout", detail="wall-clock limit")
+    report = _report(data, n_calls, repr_chars)
     if report is None:
-        if data and rc == 0 and not timed_out:  # it wrote something that is no report
+        if data and rc == 0:  # it wrote something that is no report
             return Outcome(reason="bad_report", detail="malformed report")
-        if timed_out:
-            return Outcome(reason="timeout", detail="wall-clock limit")
         if rc == -signal.SIGXCPU:
             return Outcome(reason="cpu_time", detail="RLIMIT_CPU")
         if rc == -signal.SIGXFSZ:
@@ -704,10 +713,11 @@ CHILD_REASONS = ("syntax", "memory", "runtime_error", "no_function", "process_li
                  "output_limit", "exited")  # fmt: skip
 
 
-def _report(data: bytes, n_calls: int) -> dict | None:
+def _report(data: bytes, n_calls: int, repr_chars: int) -> dict | None:
     """The child's report, or None when there is none or it is not one the child could
     have written (the program can write to the same descriptor; a forged report can
-    only claim values it could have returned, and a malformed one must not crash us)."""
+    only claim values it could have returned, no longer than the child cuts a repr to,
+    and a malformed one must not crash us)."""
     try:
         report = json.loads(data) if data else None
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than any report
@@ -715,17 +725,21 @@ def _report(data: bytes, n_calls: int) -> dict | None:
     if not isinstance(report, dict):
         return None
     calls, reason, error = report.get("calls"), report.get("reason"), report.get("error", "")
-    if not (isinstance(calls, list) and len(calls) <= n_calls and all(map(_call_ok, calls))):
+    if not (isinstance(calls, list) and len(calls) <= n_calls):
+        return None
+    if not all(_call_ok(c, repr_chars + len("...")) for c in calls):
         return None
     if not (reason is None or reason in CHILD_REASONS) or not isinstance(error, str):
         return None
     return report
 
 
-def _call_ok(c) -> bool:
+def _call_ok(c, longest: int) -> bool:
     if not isinstance(c, dict):
         return False
-    return c.get("ok") is False or (c.get("ok") is True and isinstance(c.get("repr"), str))
+    if c.get("ok") is False:
+        return True
+    return c.get("ok") is True and isinstance(c.get("repr"), str) and len(c["repr"]) <= longest
 
 
 def _violation(data: bytes) -> str:
@@ -746,11 +760,11 @@ def same_value(got: str | None, expected) -> bool:
     """
     if got is None:
         return False
-    try:
-        value = ast.literal_eval(got)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    try:  # a repr the program chose: '{[]: 0}' (TypeError), '1e999999j'...
+        value = _norm(ast.literal_eval(got))
+        return value == _norm(expected) and type(value) is type(_norm(expected))
+    except Exception:
         return False
-    return _norm(value) == _norm(expected) and type(_norm(value)) is type(_norm(expected))
 
 
 def _norm(x):

@@ -3,6 +3,7 @@ reward, and names its failure; the OS layers are also checked without the audit 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -304,6 +305,8 @@ def test_a_report_written_by_the_program_cannot_crash_or_fool_the_parent(fast_sa
         b'{"calls": [1]}',
         b'{"calls": [], "reason": "wrong_answer", "error": ""}',
         b'{"calls": [{"ok": true, "repr": "6"}, {"ok": true, "repr": "8"}, {"ok": true, "repr": "1"}]}',
+        # a repr longer than the child cuts one to: the parent would parse it unbounded
+        b'{"calls": [{"ok": true, "repr": "[' + b"[]," * FAST.repr_chars + b'6]"}]}',
     ]
     jobs = [
         Job(f"import os\ndef f(x):\n    os.write(3, {d!r})\n    os._exit(0)", "f", [[3], [4]])
@@ -311,6 +314,28 @@ def test_a_report_written_by_the_program_cannot_crash_or_fool_the_parent(fast_sa
     ]
     out = fast_sandbox.run(jobs)
     assert [(o.reason, o.values) for o in out] == [("bad_report", [])] * len(forged), out
+    # A report, then the wall clock: a timeout, whatever the report said.
+    late = "import os, time\ndef f(x):\n    os.write(3, {!r})\n    time.sleep(60)"
+    report = b'{"calls": [{"ok": true, "repr": "6"}, {"ok": true, "repr": "8"}]}'
+    (out,) = fast_sandbox.run([Job(late.format(report), "f", [[3], [4]])])
+    assert (out.reason, out.values) == ("timeout", []), out
+
+
+def test_a_value_whose_repr_is_no_literal_fails_only_its_own_completion(fast_sandbox):
+    """A returned object's repr is the program's to choose; one that literal_eval cannot
+    read without raising (an unhashable key, an overflow) is a wrong answer, and the
+    step's other completions score as usual."""
+    poison = (
+        "class V:\n    def __init__(self, r):\n        self.r = r\n"
+        "    def __repr__(self):\n        return self.r\n"
+        "def f(x):\n    return V({!r})"
+    )
+    reprs = ["{[]: 0}", "1" * 400 + "+0j", "{{1}: 2}"]
+    good = _fenced("def f(x):\n    return 2 * x")
+    texts = [_fenced(poison.format(r)) for r in reprs] + [good]
+    out = code_reward.reward_batch([_task()], [texts])[0]
+    assert [c.get("failure") for c in out] == ["wrong_answer"] * len(reprs) + [None], out
+    assert [c["passes"] for c in out] == [0.0] * len(reprs) + [1.0], out
 
 
 def test_a_poisoned_report_fails_only_its_own_completion(fast_sandbox):
@@ -322,6 +347,22 @@ def test_a_poisoned_report_fails_only_its_own_completion(fast_sandbox):
     assert [c.get("failure") for c in out] == ["bad_report", None, "bad_report"], out
     assert out[0]["passes"] == out[0]["compiles"] == out[0]["format"] == 0.0
     assert out[1] == {"passes": 1.0, "partial": 1.0, "compiles": 1.0, "format": 1.0}
+
+
+@pytest.mark.skipif(not ROOT_LINUX, reason="slot uids are used as root on Linux only")
+def test_a_program_cannot_plant_the_slot_locks():
+    """At the weak level the host's files are visible and the hook can be switched off
+    (here: not installed); the slot locks are where a slot uid cannot create one, so a
+    program cannot hold slots that later Sandboxes would then skip."""
+    plant = (
+        "def f(path):\n    try:\n        open(path, 'w').close()\n        return 'planted'\n"
+        "    except OSError as e:\n        return type(e).__name__"
+    )
+    last = sandbox_module.SLOT_LOCK.format(uid=SLOT_UID_BASE + sandbox_module.SLOT_UID_COUNT - 1)
+    with Sandbox(FAST, workers=1, audit=False, isolation="weak") as sb:
+        (out,) = sb.run([Job(plant, "f", [[last]])])
+    assert out.values == ["'PermissionError'"], out
+    assert not Path(last).exists()
 
 
 @pytest.mark.skipif(not ROOT_LINUX, reason="slot uids are used as root on Linux only")
@@ -470,6 +511,47 @@ def test_scratch_space_is_private_bounded_and_gone_after_the_job(bare_sandbox):
     assert later[0].values == ["[]"]  # a fresh /tmp and /dev/shm for every job
     assert later[1].values == [None] and later[1].reason is None  # ENOSPC: an error, no more
     assert not [n for n in os.listdir("/dev/shm") + os.listdir("/tmp") if "left-behind" in n]
+
+
+@needs_bwrap
+@pytest.mark.skipif(not SECCOMP, reason="no seccomp filter for this machine")
+def test_kernel_state_the_namespaces_do_not_separate_is_refused(bare_sandbox):
+    """With ctypes (no audit hook here): the kernel keyrings (the trainer's session
+    keyring; a slot uid's user keyring, which would carry data to later jobs) answer
+    EPERM, and vsock and netlink sockets, which the network namespace does not confine,
+    answer EAFNOSUPPORT; unix and IP sockets are still made (the namespace holds them)."""
+    numbers = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # unistd.h
+    add_key, request_key, keyctl = numbers[os.uname().machine]
+    keyrings = (
+        "import ctypes\ndef f(call, args):\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    args = [ctypes.c_char_p(a.encode()) if isinstance(a, str) else ctypes.c_long(a)"
+        " for a in args]\n"
+        "    got = libc.syscall(call, *args)\n"
+        "    return got if got >= 0 else ctypes.get_errno()"
+    )
+    user, session = -4, -3  # KEY_SPEC_USER_KEYRING, KEY_SPEC_SESSION_KEYRING
+    calls = [
+        [keyctl, [0, session, 1]],  # KEYCTL_GET_KEYRING_ID, creating it
+        [keyctl, [0, user, 1]],
+        [add_key, ["user", "left-behind", "x", 1, user]],
+        [request_key, ["user", "left-behind", 0, 0]],
+    ]
+    sockets = (
+        "import socket\ndef f(family, kind):\n    try:\n"
+        "        socket.socket(family, kind).close()\n        return 'made'\n"
+        "    except OSError as e:\n        return e.errno"
+    )
+    families = [
+        [socket.AF_UNIX, socket.SOCK_STREAM],
+        [socket.AF_INET, socket.SOCK_DGRAM],
+        [socket.AF_INET6, socket.SOCK_STREAM],
+        [40, socket.SOCK_STREAM],  # AF_VSOCK
+        [16, socket.SOCK_RAW],  # AF_NETLINK (route)
+    ]
+    out = bare_sandbox.run([Job(keyrings, "f", calls), Job(sockets, "f", families)])
+    assert out[0].values == [str(errno.EPERM)] * len(calls), out[0]
+    assert out[1].values == ["'made'"] * 3 + [str(errno.EAFNOSUPPORT)] * 2, out[1]
 
 
 @needs_bwrap
