@@ -4,7 +4,7 @@ Started by mlx_grpo.sandbox as `python -I -S _sandbox_child.py` with a fresh wor
 directory as cwd (at the strong level, inside bubblewrap: see mlx_grpo/sandbox.py). It
 reads one JSON job from stdin, then, before any untrusted code:
 
-1. (weak level, root on Linux) enters a new, empty network namespace,
+1. (weak level, root on Linux) enters new, empty network and IPC namespaces,
 2. sets the resource limits (CPU seconds, address space, file size, processes, files),
 3. (root) drops to the job's unprivileged uid/gid, so RLIMIT_NPROC applies to it,
 4. (Linux) installs a seccomp filter under which fork, exec, new namespaces and ptrace
@@ -79,8 +79,10 @@ def _confine(job):
         import ctypes  # loaded before the audit hook, which refuses ctypes afterwards
 
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
-            os.write(2, b"sandbox: unshare(CLONE_NEWNET) failed\n")
+        # CLONE_NEWNET | CLONE_NEWIPC: no network, and no System V IPC object that
+        # would outlive the job in the host's namespace
+        if libc.unshare(0x40000000 | 0x08000000) != 0:
+            os.write(2, b"sandbox: unshare(CLONE_NEWNET | CLONE_NEWIPC) failed\n")
             os._exit(97)
         del libc, ctypes
     lim = job["limits"]
@@ -109,7 +111,9 @@ def _confine(job):
 # filter can read); a new thread answers EAGAIN, as RLIMIT_NPROC would. Calls that reach
 # state the namespaces do not separate answer EPERM: the kernel keyrings (the trainer's
 # session keyring, and a slot uid's user keyring that would outlive the job), bpf,
-# perf_event_open, userfaultfd, io_uring and other processes' memory. A socket or socket
+# perf_event_open, userfaultfd, io_uring, other processes' memory, and new System V
+# and POSIX IPC objects (shmget, semget, msgget, mq_open: memory no rlimit counts,
+# which outlives the job where the IPC namespace is the host's). A socket or socket
 # pair of a family other than unix, IPv4 and IPv6 (which the network namespace holds)
 # answers EAFNOSUPPORT: vsock shares the host's port space, netlink and packet sockets
 # reach the kernel's own.
@@ -117,7 +121,7 @@ _SYSCALLS = {  # machine: (AUDIT_ARCH, killed, denied, (socket, socketpair), clo
     "x86_64": (
         0xC000003E,
         (57, 58, 59, 322, 101, 272, 308),
-        (248, 249, 250, 321, 298, 323, 425, 426, 427, 310, 311),
+        (248, 249, 250, 321, 298, 323, 425, 426, 427, 310, 311, 29, 64, 68, 240),
         (41, 53),
         56,
         435,
@@ -126,7 +130,7 @@ _SYSCALLS = {  # machine: (AUDIT_ARCH, killed, denied, (socket, socketpair), clo
     "aarch64": (
         0xC00000B7,
         (221, 281, 117, 97, 268),
-        (217, 218, 219, 280, 241, 282, 425, 426, 427, 270, 271),
+        (217, 218, 219, 280, 241, 282, 425, 426, 427, 270, 271, 194, 190, 186, 180),
         (198, 199),
         220,
         435,

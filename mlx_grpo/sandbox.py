@@ -25,8 +25,8 @@ Two isolation levels (`Sandbox(isolation=...)`):
   RLIMIT_AS: memory is not bounded by the kernel there.)
 
 **weak** (opt in with the code recipe's `isolation = "weak"`): a separate process, a
-fresh temporary directory, rlimits, and as root on Linux a slot uid and an empty network
-namespace; the audit hook is then the only guard for your files (and, without root, the
+fresh temporary directory, rlimits, and as root on Linux a slot uid and empty network
+and IPC namespaces; the audit hook is then the only guard for your files (and, without root, the
 network), and it is Python in the program's own interpreter.
 
 Both levels keep: `python -I -S` (no site-packages, no PYTHONPATH, no cwd import); an
@@ -147,8 +147,8 @@ _NETNS: bool | None = None
 
 
 def network_namespace_available() -> bool:
-    """Whether a child can unshare(CLONE_NEWNET) here: root on Linux, and not a
-    container that withholds CAP_SYS_ADMIN (probed once)."""
+    """Whether a child can unshare(CLONE_NEWNET | CLONE_NEWIPC) here: root on Linux, and
+    not a container that withholds CAP_SYS_ADMIN (probed once)."""
     global _NETNS
     if _NETNS is None:
         _NETNS = _root_linux() and (
@@ -160,9 +160,7 @@ def network_namespace_available() -> bool:
     return _NETNS
 
 
-_NETNS_PROBE = (
-    "import ctypes, sys\nsys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0)"
-)
+_NETNS_PROBE = "import ctypes, sys\nsys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x40000000 | 0x08000000) != 0)"
 
 
 def isolation_summary() -> dict[str, bool | str | None]:
@@ -677,7 +675,9 @@ def _outcome(
         return Outcome(values=[None] * n_calls, reason=VIOLATION_RC[rc], detail=_violation(data))
     if timed_out:  # whatever it wrote first: the child reports as it exits
         return Outcome(reason="timeout", detail="wall-clock limit")
-    report = _report(data, n_calls, repr_chars)
+    # The child exits 0 right after its report: a report followed by a death (a forked
+    # process after it, the CPU limit) is the program's, and the death decides.
+    report = _report(data, n_calls, repr_chars) if rc == 0 else None
     if report is None:
         if data and rc == 0:  # it wrote something that is no report
             return Outcome(reason="bad_report", detail="malformed report")

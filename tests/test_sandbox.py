@@ -314,11 +314,13 @@ def test_a_report_written_by_the_program_cannot_crash_or_fool_the_parent(fast_sa
     ]
     out = fast_sandbox.run(jobs)
     assert [(o.reason, o.values) for o in out] == [("bad_report", [])] * len(forged), out
-    # A report, then the wall clock: a timeout, whatever the report said.
-    late = "import os, time\ndef f(x):\n    os.write(3, {!r})\n    time.sleep(60)"
+    # A report, then the wall clock or the CPU limit: that failure, whatever the report
+    # said (else an escape tried after a right report would cost nothing, and show nowhere).
     report = b'{"calls": [{"ok": true, "repr": "6"}, {"ok": true, "repr": "8"}]}'
-    (out,) = fast_sandbox.run([Job(late.format(report), "f", [[3], [4]])])
-    assert (out.reason, out.values) == ("timeout", []), out
+    then = {"timeout": "time.sleep(60)", "cpu_time": "while True:\n        pass"}
+    late = "import os, time\ndef f(x):\n    os.write(3, {!r})\n    {}"
+    out = fast_sandbox.run([Job(late.format(report, t), "f", [[3], [4]]) for t in then.values()])
+    assert [(o.reason, o.values) for o in out] == [(r, []) for r in then], out
 
 
 def test_a_value_whose_repr_is_no_literal_fails_only_its_own_completion(fast_sandbox):
@@ -359,10 +361,15 @@ def test_a_program_cannot_plant_the_slot_locks():
         "    except OSError as e:\n        return type(e).__name__"
     )
     last = sandbox_module.SLOT_LOCK.format(uid=SLOT_UID_BASE + sandbox_module.SLOT_UID_COUNT - 1)
+    # Nor System V IPC objects in the host's namespace, which would outlive the job,
+    # holding memory that no limit counts: the weak level has an IPC namespace of its own.
+    ipc = "import os\ndef f():\n    return os.readlink('/proc/self/ns/ipc')"
     with Sandbox(FAST, workers=1, audit=False, isolation="weak") as sb:
-        (out,) = sb.run([Job(plant, "f", [[last]])])
+        out, ns = sb.run([Job(plant, "f", [[last]]), Job(ipc, "f", [[]])])
     assert out.values == ["'PermissionError'"], out
     assert not Path(last).exists()
+    if sb.netns:
+        assert ns.values != [repr(os.readlink("/proc/self/ns/ipc"))] and ns.reason is None, ns
 
 
 @pytest.mark.skipif(not ROOT_LINUX, reason="slot uids are used as root on Linux only")
@@ -517,10 +524,10 @@ def test_scratch_space_is_private_bounded_and_gone_after_the_job(bare_sandbox):
 @pytest.mark.skipif(not SECCOMP, reason="no seccomp filter for this machine")
 def test_kernel_state_the_namespaces_do_not_separate_is_refused(bare_sandbox):
     """With ctypes (no audit hook here): the kernel keyrings (the trainer's session
-    keyring; a slot uid's user keyring, which would carry data to later jobs) answer
-    EPERM, and vsock and netlink sockets, which the network namespace does not confine,
+    keyring; a slot uid's user keyring, which would carry data to later jobs) and new
+    IPC objects answer EPERM, and vsock and netlink sockets, which the network namespace does not confine,
     answer EAFNOSUPPORT; unix and IP sockets are still made (the namespace holds them)."""
-    numbers = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # unistd.h
+    numbers = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # asm/unistd.h
     add_key, request_key, keyctl = numbers[os.uname().machine]
     keyrings = (
         "import ctypes\ndef f(call, args):\n"
@@ -531,11 +538,22 @@ def test_kernel_state_the_namespaces_do_not_separate_is_refused(bare_sandbox):
         "    return got if got >= 0 else ctypes.get_errno()"
     )
     user, session = -4, -3  # KEY_SPEC_USER_KEYRING, KEY_SPEC_SESSION_KEYRING
+    # and System V and POSIX IPC objects (memory no limit counts; at the weak level in
+    # the host's IPC namespace unless it has one of its own)
+    shmget, semget, msgget, mq_open = {
+        "x86_64": (29, 64, 68, 240),
+        "aarch64": (194, 190, 186, 180),
+    }[os.uname().machine]
+    create = 0o1000 | 0o666  # IPC_CREAT, read and write for all; key IPC_PRIVATE
     calls = [
         [keyctl, [0, session, 1]],  # KEYCTL_GET_KEYRING_ID, creating it
         [keyctl, [0, user, 1]],
         [add_key, ["user", "left-behind", "x", 1, user]],
         [request_key, ["user", "left-behind", 0, 0]],
+        [shmget, [0, 2**20, create]],
+        [semget, [0, 1, create]],
+        [msgget, [0, create]],
+        [mq_open, ["left-behind", 0o100 | 2, 0o666, 0]],  # O_CREAT | O_RDWR
     ]
     sockets = (
         "import socket\ndef f(family, kind):\n    try:\n"
