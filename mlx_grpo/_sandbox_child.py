@@ -111,7 +111,8 @@ def _confine(job):
 # filter can read); a new thread answers EAGAIN, as RLIMIT_NPROC would. Calls that reach
 # state the namespaces do not separate answer EPERM: the kernel keyrings (the trainer's
 # session keyring, and a slot uid's user keyring that would outlive the job), bpf,
-# perf_event_open, userfaultfd, io_uring, other processes' memory, and new System V
+# perf_event_open, userfaultfd, io_uring, other processes' memory and descriptors
+# (process_vm_*, pidfd_getfd), and new System V
 # and POSIX IPC objects (shmget, semget, msgget, mq_open: memory no rlimit counts,
 # which outlives the job where the IPC namespace is the host's). A socket or socket
 # pair of a family other than unix, IPv4 and IPv6 (which the network namespace holds)
@@ -121,7 +122,7 @@ _SYSCALLS = {  # machine: (AUDIT_ARCH, killed, denied, (socket, socketpair), clo
     "x86_64": (
         0xC000003E,
         (57, 58, 59, 322, 101, 272, 308),
-        (248, 249, 250, 321, 298, 323, 425, 426, 427, 310, 311, 29, 64, 68, 240),
+        (248, 249, 250, 321, 298, 323, 425, 426, 427, 310, 311, 438, 29, 64, 68, 240),
         (41, 53),
         56,
         435,
@@ -130,7 +131,7 @@ _SYSCALLS = {  # machine: (AUDIT_ARCH, killed, denied, (socket, socketpair), clo
     "aarch64": (
         0xC00000B7,
         (221, 281, 117, 97, 268),
-        (217, 218, 219, 280, 241, 282, 425, 426, 427, 270, 271, 194, 190, 186, 180),
+        (217, 218, 219, 280, 241, 282, 425, 426, 427, 270, 271, 438, 194, 190, 186, 180),
         (198, 199),
         220,
         435,
