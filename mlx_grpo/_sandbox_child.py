@@ -72,6 +72,12 @@ PRELOAD = (
 )  # fmt: skip
 
 
+# The weak level's namespaces (CLONE_NEWNET | CLONE_NEWIPC): no network, and no System V
+# IPC object that would outlive the job in the host's namespace. mlx_grpo.sandbox probes
+# the same flags (UNSHARE there).
+UNSHARE = 0x40000000 | 0x08000000
+
+
 def _confine(job):
     for name in PRELOAD:
         __import__(name)
@@ -79,9 +85,7 @@ def _confine(job):
         import ctypes  # loaded before the audit hook, which refuses ctypes afterwards
 
         libc = ctypes.CDLL(None, use_errno=True)
-        # CLONE_NEWNET | CLONE_NEWIPC: no network, and no System V IPC object that
-        # would outlive the job in the host's namespace
-        if libc.unshare(0x40000000 | 0x08000000) != 0:
+        if libc.unshare(UNSHARE) != 0:
             os.write(2, b"sandbox: unshare(CLONE_NEWNET | CLONE_NEWIPC) failed\n")
             os._exit(97)
         del libc, ctypes

@@ -133,7 +133,7 @@ class RunFolder:
 
         if fd not in _held:  # a forked child's: the hook closed it already
             return
-        _held.discard(fd)
+        _held.remove(fd)
         os.close(fd)
         with contextlib.suppress(OSError):
             if os.listdir(self.path) == [self.LOCK]:

@@ -26,8 +26,8 @@ Two isolation levels (`Sandbox(isolation=...)`):
 
 **weak** (opt in with the code recipe's `isolation = "weak"`): a separate process, a
 fresh temporary directory, rlimits, and as root on Linux a slot uid and empty network
-and IPC namespaces; the audit hook is then the only guard for your files (and, without root, the
-network), and it is Python in the program's own interpreter.
+and IPC namespaces; the audit hook is then the only guard for your files (and, without
+root, the network), and it is Python in the program's own interpreter.
 
 Both levels keep: `python -I -S` (no site-packages, no PYTHONPATH, no cwd import); an
 environment of only HOME, TMPDIR, PATH and LANG; the wall-clock limit (process group
@@ -160,7 +160,10 @@ def network_namespace_available() -> bool:
     return _NETNS
 
 
-_NETNS_PROBE = "import ctypes, sys\nsys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x40000000 | 0x08000000) != 0)"
+UNSHARE = 0x40000000 | 0x08000000  # CLONE_NEWNET | CLONE_NEWIPC (_sandbox_child.UNSHARE)
+_NETNS_PROBE = (
+    f"import ctypes, sys\nsys.exit(ctypes.CDLL(None, use_errno=True).unshare({UNSHARE}) != 0)"
+)
 
 
 def isolation_summary() -> dict[str, bool | str | None]:
@@ -666,7 +669,7 @@ def _outcome(
     overflow: bool,
     n_calls: int,
     hard_cpu: bool,
-    repr_chars: int = Limits.repr_chars,
+    repr_chars: int,
 ) -> Outcome:
     """`hard_cpu`: whether the program can have reached RLIMIT_CPU's hard limit."""
     if overflow:

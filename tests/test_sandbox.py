@@ -434,6 +434,7 @@ def test_violation_statuses_agree_between_parent_and_child():
     assert {rc: reason for reason, rc in child.VIOLATION_RC.items()} == VIOLATION_RC
     assert set(VIOLATION_RC.values()) <= set(SANDBOX_REASONS)
     assert set(SECCOMP_MACHINES) == set(child._SYSCALLS)
+    assert sandbox_module.UNSHARE == child.UNSHARE  # what is probed is what the child does
 
 
 # ---------------------------------------------------------------- strong isolation
