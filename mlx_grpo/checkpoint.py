@@ -10,6 +10,7 @@ reported in one line naming the file.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -19,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_grpo.durable import crash_point, fsync_dir, fsync_file, write_atomic
-from mlx_grpo.runfolder import RunFolder
+from mlx_grpo.durable import crash_point, fsync_dir, write_atomic, write_new
+from mlx_grpo.runfolder import RunFolder, step_of
 
 
 class CheckpointError(RuntimeError):
@@ -39,8 +40,11 @@ def _write_json(path: Path, data) -> None:
 
 
 def _save_safetensors(path: Path, arrays: dict) -> None:
-    mx.save_safetensors(str(path), arrays)
-    fsync_file(path)
+    """Serialized by MLX, written by Python: a full disk is OSError(ENOSPC) naming the
+    file (MLX's own write says only '[write] Unable to write N bytes')."""
+    buf = io.BytesIO()
+    mx.save_safetensors(buf, arrays)
+    write_new(path, buf.getbuffer())
     crash_point()
 
 
@@ -48,8 +52,12 @@ def save_arrays(path: Path, arrays: dict) -> None:
     """`arrays` in the safetensors file `path`, whole or not at all (written beside it
     under a temporary name, fsynced, then renamed)."""
     tmp = path.with_name(f".{path.stem}.tmp.safetensors")
-    _save_safetensors(tmp, arrays)
-    os.replace(tmp, path)
+    try:
+        _save_safetensors(tmp, arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -62,7 +70,8 @@ def save_checkpoint(
     state: TrainState,
     keep_last: int,
 ) -> Path:
-    """Write step folder `step-NNNNNN`, point `latest` at it, prune old ones."""
+    """Write step folder `step-NNNNNN`, point `latest` at it, prune older ones (the
+    newest `keep_last` of them stay, this one included)."""
     run = RunFolder(run_dir)
     final, tmp = run.step_dir(step), run.tmp_step_dir(step)
     try:
@@ -82,17 +91,26 @@ def save_checkpoint(
         os.rename(tmp, final)
         fsync_dir(run.path)
         crash_point()
-        _write_json(run.latest_file, {"step_dir": final.name, "step": step})
-        publish_adapters(final)
+        publish(final)
     except (OSError, RuntimeError) as e:  # RuntimeError: MLX's own write failing
         shutil.rmtree(tmp, ignore_errors=True)
         prev = run.latest_step_dir()
         kept = f"; the previous checkpoint {prev} is intact" if prev else ""
         why = getattr(e, "strerror", None) or _why(e)
         raise CheckpointError(f"checkpoint: cannot write {final}: {why}{kept}") from e
-    for old in run.step_dirs()[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(run, step, keep_last)
     return final
+
+
+def prune(run: RunFolder, step: int, keep_last: int) -> None:
+    """Remove the step folders before `step` but the newest `keep_last - 1` complete
+    ones, with what a kill left: a folder whose removal it cut short (no state.json),
+    a temporary step folder it cut short."""
+    older = [d for d in run.step_dirs(complete=False) if step_of(d.name) < step]
+    whole = [d for d in older if (d / run.STATE).exists()]
+    kept = set(whole[len(whole) - (keep_last - 1) :]) if keep_last > 1 else set()
+    for old in [*(d for d in older if d not in kept), *run.path.glob(".tmp-step-*")]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_start(run_dir: Path, state: dict, model=None, optimizer=None) -> None:
@@ -136,11 +154,13 @@ def load_start(run_dir: Path) -> dict | None:
     return state if isinstance(state, dict) else None
 
 
-def publish_adapters(step_dir: Path) -> None:
-    """Make the run folder's top-level adapters those of `step_dir` (atomically, each
-    file; a no-op when they already are): a resumed run redoes this, in case the kill
-    came between `latest` and these copies."""
+def publish(step_dir: Path) -> None:
+    """Point `latest` at `step_dir` and make the run folder's top-level adapters its own
+    (atomically, each file; a no-op where they already are): a resumed run redoes this,
+    in case a kill came after the step folder was renamed into place."""
     run = RunFolder(step_dir.parent)
+    if run.latest_named() != step_dir.name:
+        _write_json(run.latest_file, {"step_dir": step_dir.name, "step": step_of(step_dir.name)})
     for name in (run.ADAPTERS, run.ADAPTER_CONFIG):
         data, top = (step_dir / name).read_bytes(), run.path / name
         if not top.exists() or top.read_bytes() != data:

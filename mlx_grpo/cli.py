@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_grpo.checkpoint import CheckpointError, publish_adapters
+from mlx_grpo.checkpoint import CheckpointError, publish
 from mlx_grpo.config import ConfigError, RunConfig, build_config, config_help, parse_overrides
 from mlx_grpo.durable import FULL_DISK
 from mlx_grpo.recipe import recipe_defaults, recipe_dir
@@ -78,8 +78,8 @@ def resolve_config(argv: list[str]) -> tuple[RunConfig, Path, Path | None]:
             print(f"--resume: {run_dir} has no checkpoint yet; starting it again", file=sys.stderr)
         elif named != step_dir.name:
             print(
-                f"--resume: {folder.latest_file} names {named or 'nothing readable'}, which "
-                f"is missing or incomplete; resuming from {step_dir.name}",
+                f"--resume: {folder.latest_file} names {named or 'nothing readable'}; the "
+                f"newest complete checkpoint is {step_dir.name}: resuming from it",
                 file=sys.stderr,
             )
         try:
@@ -164,9 +164,9 @@ def cmd_train(argv: list[str]) -> int:
     try:
         dist.run_on_main(claim)
         if done and done == cfg.train.steps:
-            # (what a resume redoes in any case: a kill may have come between `latest`
-            # and the run folder's copy of the last adapters)
-            dist.run_on_main(lambda: publish_adapters(resume_from))
+            # (what a resume redoes in any case: a kill may have come between the last
+            # step folder and `latest` or the run folder's copy of its adapters)
+            dist.run_on_main(lambda: publish(resume_from))
             print(
                 f"{run_dir} has all its {done} steps; nothing to train (raise "
                 "--train.steps to continue it)",

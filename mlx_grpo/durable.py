@@ -54,14 +54,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     half = len(view) // 2
@@ -74,13 +66,26 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_synced(path: Path, data: bytes, flags: int) -> None:
-    """Open `path` with `flags`, write `data` (a crash point halfway), fsync, close."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    """Open `path` with `flags`, write `data` (a crash point halfway), fsync, close. An
+    OSError names `path` (os.write's own names no file)."""
     try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """`path` created or truncated, then `data` written and fsynced (a crash point
+    halfway): for files that become visible only when their folder is renamed or they
+    are (`write_atomic`)."""
+    _write_synced(path, data, os.O_TRUNC)
 
 
 def write_failed(e: BaseException) -> bool:
@@ -112,8 +117,14 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     data = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.tmp")
     crash_point()
-    _write_synced(tmp, data, os.O_TRUNC)
-    os.replace(tmp, path)
+    try:
+        _write_synced(tmp, data, os.O_TRUNC)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # (a partial copy would hold space a full disk lacks)
+        if isinstance(e, OSError) and e.filename == str(tmp):
+            raise OSError(e.errno, e.strerror, str(path)) from None  # the file meant
+        raise
     fsync_dir(path.parent)
     crash_point()
 

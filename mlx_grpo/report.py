@@ -5,12 +5,12 @@ compare.json."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from mlx_grpo.durable import write_atomic
 from mlx_grpo.evaluate import TaskResult
 from mlx_grpo.recipe import Recipe
 from mlx_grpo.runfolder import RunFolder
@@ -290,7 +290,7 @@ def write_outputs(data: dict, report: Report, out: Path, adapters: Path | None, 
     looks for it: comparing an earlier step leaves the run's own result in place."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "compare.json"
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_atomic(path, json.dumps(data, indent=2) + "\n")  # (an earlier one stays whole)
     written = [path]
     png = plot_levels(report, out / "compare.png", f"A: {data['model_a']}   B: {data['model_b']}")
     if png is None:
@@ -304,7 +304,7 @@ def write_outputs(data: dict, report: Report, out: Path, adapters: Path | None, 
     copy = RunFolder(adapters).compare_file if adapters is not None else None
     if copy is not None and path.resolve() != copy.resolve():
         try:
-            shutil.copyfile(path, copy)
+            write_atomic(copy, path.read_bytes())
             written.append(copy)
         except OSError as e:  # a read-only run, a step the run has since pruned
             console.print(

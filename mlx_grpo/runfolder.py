@@ -56,6 +56,16 @@ def step_of(name: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` is still the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
+
+
 class RunBusy(RuntimeError):
     """Another process is training the run; one line."""
 
@@ -100,45 +110,55 @@ class RunFolder:
         import errno
         import fcntl
 
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
+        lock = self.path / self.LOCK
+        for _ in range(8):
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-                raise RunBusy(
-                    f"output.run: {self.path} is being trained by another process (pid "
-                    f"{holder}); wait for it to end, or stop it, before training it again"
-                ) from None
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise
-                warn(
-                    f"warning: {self.path / self.LOCK} cannot be locked here ({e.strerror}): "
-                    "make sure no other process trains this run meanwhile"
-                )
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-        except BaseException:
-            os.close(fd)
-            raise
-        _held.add(fd)
-        return fd
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                    raise RunBusy(
+                        f"output.run: {self.path} is being trained by another process (pid "
+                        f"{holder}); wait for it to end, or stop it, before training it again"
+                    ) from None
+                except OSError as e:
+                    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        raise
+                    warn(
+                        f"warning: {lock} cannot be locked here ({e.strerror}): "
+                        "make sure no other process trains this run meanwhile"
+                    )
+                if not _same_file(fd, lock):  # `release` removed it between open and flock
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            except BaseException:
+                os.close(fd)
+                raise
+            _held.add(fd)
+            return fd
+        raise RunBusy(f"output.run: {lock} was removed again and again while this process took it")
 
     def release(self, fd: int) -> None:
         """Close `hold`'s descriptor (the flock goes with it); a folder that holds nothing
-        but the lock, a start that failed before it wrote anything, is removed."""
+        but the lock, a start that failed before it wrote anything, is removed first,
+        while the lock is still held (a `hold` that opened the file meanwhile sees it
+        gone and takes a new one)."""
         import contextlib
 
         if fd not in _held:  # a forked child's: the hook closed it already
             return
         _held.remove(fd)
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            if os.listdir(self.path) == [self.LOCK]:
-                (self.path / self.LOCK).unlink()
-                self.path.rmdir()
+        try:
+            with contextlib.suppress(OSError):
+                if os.listdir(self.path) == [self.LOCK]:
+                    (self.path / self.LOCK).unlink()
+                    self.path.rmdir()
+        finally:
+            os.close(fd)
 
     @property
     def config_file(self) -> Path:
@@ -197,7 +217,11 @@ class RunFolder:
     def step_dirs(self, complete: bool = True) -> list[Path]:
         """Step folders by step; `complete`: only those holding their state.json."""
         dirs = (p for p in self.path.glob(f"{STEP_PREFIX}*") if p.is_dir())
-        return sorted(p for p in dirs if not complete or (p / self.STATE).exists())
+        dirs = (p for p in dirs if step_of(p.name) is not None)
+        return sorted(
+            (p for p in dirs if not complete or (p / self.STATE).exists()),
+            key=lambda p: step_of(p.name),
+        )
 
     def latest_named(self) -> str | None:
         """The step folder `latest` names, or None when it cannot be read."""
@@ -208,22 +232,27 @@ class RunFolder:
             return None
 
     def latest_step_dir(self) -> Path | None:
-        """The newest complete step folder (from `latest`, else by name), or None."""
-        try:
-            cand = self.path / json.loads(self.latest_file.read_text())["step_dir"]
-            if (cand / self.STATE).exists():
-                return cand
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        """The newest complete step folder, or None. `latest` names it, unless a kill
+        came between its rename into place and `latest` (a resume mends that)."""
         dirs = self.step_dirs()
         return dirs[-1] if dirs else None
 
     def adapters_dir(self) -> Path:
-        """Where the run's latest adapters are whole: its own copy, else (a kill between
-        a checkpoint and that copy) its newest step folder; the run folder before any."""
-        if all((self.path / f).exists() for f in (self.ADAPTERS, self.ADAPTER_CONFIG)):
+        """Where the run's latest adapters are: the newest step folder where the run's
+        own copy is missing, or a kill came before `latest` and that copy were updated
+        to it; else the copy (also before any checkpoint, with no readable `latest`, or
+        where `latest`'s step folder was removed since)."""
+        files = (self.ADAPTERS, self.ADAPTER_CONFIG)
+        own = all((self.path / f).is_file() for f in files)
+        newest = self.latest_step_dir()
+        named = step_of(self.latest_named() or "")
+        if newest is None or (own and (named is None or named > step_of(newest.name))):
             return self.path
-        return self.latest_step_dir() or self.path
+        same = own and named == step_of(newest.name)
+        same = same and all(
+            (self.path / f).read_bytes() == (newest / f).read_bytes() for f in files
+        )
+        return self.path if same else newest
 
     def find_step(self, ref: str) -> Path | None:
         """The step folder `ref` names ('20' or 'step-000020'), if it exists."""

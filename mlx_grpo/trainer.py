@@ -24,7 +24,7 @@ from mlx_grpo.checkpoint import (
     load_arrays,
     load_checkpoint,
     load_start,
-    publish_adapters,
+    publish,
     save_arrays,
     save_checkpoint,
     save_start,
@@ -711,7 +711,7 @@ def _begin(
         for log in run.logs:
             if note := cut_jsonl(log, st.step):
                 say(note)
-        publish_adapters(resume_from)
+        publish(resume_from)
     return st.step, Counters(**st.counters)
 
 

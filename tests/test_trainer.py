@@ -512,6 +512,30 @@ def test_a_kill_at_any_write_point_of_a_resume_resumes_again_to_the_same_run(
     _same_run(run, tmp_path / "full")
 
 
+def test_a_kill_between_a_step_folder_and_latest_resumes_from_that_step(
+    tiny_model_dir, tmp_path, capsys
+):
+    """Step 2's folder was renamed into place; the kill came before `latest` and the
+    run's copy of the adapters moved on from step 1. The resume starts after step 2 (it
+    does not train step 2 again), mends both, and ends as the uninterrupted run."""
+    steps = ["--train.steps=3", "--output.save_every=1", "--train.sample_every=1"]
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "full", *steps)) == 0
+    full, killed = tmp_path / "full", cut_back(tmp_path / "full", tmp_path / "killed", 1)
+    shutil.copytree(full / "step-000002", killed / "step-000002")
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        shutil.copy(killed / "step-000001" / name, killed / name)
+    capsys.readouterr()
+    assert cmd_train(["--resume", str(killed)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"--resume: {killed / 'latest'} names step-000001; the newest complete checkpoint is "
+        "step-000002: resuming from it"
+    ) in err
+    assert _metrics(killed)[:2] == _metrics(full)[:2]  # step 2's own timings: not redone
+    assert json.loads((killed / "latest").read_text())["step"] == 3
+    _same_run(killed, full)
+
+
 def test_a_torn_last_record_in_each_log_is_dropped_with_one_line(tiny_model_dir, tmp_path):
     """The power cut inside a log write: `{"step": 3, "reward/me` at the end of
     metrics.jsonl (and of samples.jsonl) resumes, saying what it dropped."""
@@ -563,7 +587,8 @@ def test_a_damaged_checkpoint_is_one_line(tiny_model_dir, tmp_path, damage, caps
     said = err.out + err.err
     assert "Traceback" not in said
     if damage == "latest_nowhere":  # the newest complete step folder is used instead
-        assert code == 0 and "names step-000099, which is missing" in said
+        assert code == 0, said
+        assert "names step-000099; the newest complete checkpoint is step-000002" in said
         return
     assert code != 0
     assert (run / "config.json").read_bytes() == config  # (not the failed resume's steps=3)
