@@ -25,7 +25,12 @@ from mlx_grpo.runfolder import RunFolder, step_of
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message is one line."""
+    """A checkpoint could not be written or read; the message is one line. `saved`: the
+    step folder itself was written (only `latest` or the adapters' copy were not)."""
+
+    def __init__(self, message: str, saved: bool = False):
+        super().__init__(message)
+        self.saved = saved
 
 
 @dataclass
@@ -74,6 +79,7 @@ def save_checkpoint(
     newest `keep_last` of them stay, this one included)."""
     run = RunFolder(run_dir)
     final, tmp = run.step_dir(step), run.tmp_step_dir(step)
+    prev = run.latest_step_dir()
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -87,17 +93,23 @@ def save_checkpoint(
         )
         fsync_dir(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            remove_step(final)
         os.rename(tmp, final)
         fsync_dir(run.path)
         crash_point()
-        publish(final)
-    except (OSError, RuntimeError) as e:  # RuntimeError: MLX's own write failing
+    except (OSError, RuntimeError) as e:  # RuntimeError: MLX failing to serialize
         shutil.rmtree(tmp, ignore_errors=True)
-        prev = run.latest_step_dir()
         kept = f"; the previous checkpoint {prev} is intact" if prev else ""
         why = getattr(e, "strerror", None) or _why(e)
         raise CheckpointError(f"checkpoint: cannot write {final}: {why}{kept}") from e
+    try:
+        publish(final)
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint: {final} is saved, but `latest` or the run's copy of its adapters "
+            f"could not be updated: {e.strerror or _why(e)} (a resume mends them)",
+            saved=True,
+        ) from e
     prune(run, step, keep_last)
     return final
 
@@ -108,9 +120,20 @@ def prune(run: RunFolder, step: int, keep_last: int) -> None:
     a temporary step folder it cut short."""
     older = [d for d in run.step_dirs(complete=False) if step_of(d.name) < step]
     whole = [d for d in older if (d / run.STATE).exists()]
-    kept = set(whole[len(whole) - (keep_last - 1) :]) if keep_last > 1 else set()
-    for old in [*(d for d in older if d not in kept), *run.path.glob(".tmp-step-*")]:
+    kept = set(whole[-(keep_last - 1) :]) if keep_last > 1 else set()
+    for old in older:
+        if old not in kept:
+            remove_step(old)
+    for old in run.path.glob(".tmp-step-*"):
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_step(folder: Path) -> None:
+    """A step folder removed state.json first, so that a kill partway leaves a folder
+    that is not taken for a checkpoint (and is removed by the next `prune`)."""
+    (folder / RunFolder.STATE).unlink(missing_ok=True)
+    fsync_dir(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def save_start(run_dir: Path, state: dict, model=None, optimizer=None) -> None:

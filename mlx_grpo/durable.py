@@ -11,7 +11,8 @@ Every file of a run folder is written in one of two ways:
 
 `MLX_GRPO_CRASH_AT=N` (fault-injection tests only) ends the process with `os._exit(137)`
 at the N-th write point counted from 1: each write above has three (before it starts,
-halfway through its data, after it is complete), and a checkpoint adds one per file.
+halfway through its data, after it is complete); a checkpoint's safetensors files have
+two (halfway, after) and the rename of its folder into place one.
 """
 
 from __future__ import annotations

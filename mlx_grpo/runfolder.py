@@ -53,7 +53,7 @@ def step_of(name: str) -> int | None:
     """'step-000020' -> 20; None for any other name. Read from the name alone, so that
     ranks without a copy of the folder agree on it."""
     tail = name[len(STEP_PREFIX) :] if name.startswith(STEP_PREFIX) else ""
-    return int(tail) if tail.isdigit() else None
+    return int(tail) if tail.isascii() and tail.isdigit() else None
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -113,7 +113,10 @@ class RunFolder:
         lock = self.path / self.LOCK
         for _ in range(8):
             self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            except FileNotFoundError:  # `release` removed the folder after the mkdir
+                continue
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -248,10 +251,13 @@ class RunFolder:
         named = step_of(self.latest_named() or "")
         if newest is None or (own and (named is None or named > step_of(newest.name))):
             return self.path
-        same = own and named == step_of(newest.name)
-        same = same and all(
-            (self.path / f).read_bytes() == (newest / f).read_bytes() for f in files
-        )
+        try:
+            same = own and named == step_of(newest.name)
+            same = same and all(
+                (self.path / f).read_bytes() == (newest / f).read_bytes() for f in files
+            )
+        except OSError:  # (pruned meanwhile by a run that goes on)
+            return self.path
         return self.path if same else newest
 
     def find_step(self, ref: str) -> Path | None:

@@ -653,6 +653,9 @@ def _unless_full_disk(write, go_on: bool, say, what: str):
         full = isinstance(e.__cause__, OSError) and e.__cause__.errno in FULL_DISK
         if not (go_on and full):
             raise
+        if e.saved:
+            say(f"{e}; going on (output.on_full_disk=continue)")
+            return None
         say(f"{e}; going on without {what} (output.on_full_disk=continue)")
         return None
 

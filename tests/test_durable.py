@@ -48,7 +48,8 @@ def full_fs(tmp_path):
     try:
         yield mnt, fill
     finally:
-        subprocess.run(["umount", "-l", str(mnt)])
+        gone = subprocess.run(["umount", "-l", str(mnt)], capture_output=True, text=True)
+        assert gone.returncode == 0, f"umount {mnt}: {gone.stderr.strip()}"
 
 
 def test_a_full_filesystem_keeps_the_old_file_whole_and_no_partial_copy(full_fs):
@@ -127,9 +128,10 @@ def _fake_step(run: Path, step: int, whole: bool = True) -> Path:
 
 
 def test_saving_prunes_older_steps_only_with_what_a_kill_left(tmp_path):
-    """Step 40 was renamed into place but a kill came before `latest` moved; a resume
-    saving step 27 must neither delete its own checkpoint nor keep the leftovers: a step
-    folder whose removal was cut short (no state.json), a temporary one."""
+    """A save prunes only the steps before its own: never itself, whatever lies beyond
+    it (step 40 here; by name it sorted after step 27, and a save there with keep_last=1
+    removed the step just written). What a kill left goes: a step folder whose removal
+    was cut short (no state.json), a temporary one."""
     run = tmp_path / "run"
     for step in (10, 20, 40):
         _fake_step(run, step)
@@ -151,6 +153,62 @@ def test_saving_prunes_older_steps_only_with_what_a_kill_left(tmp_path):
     assert json.loads((run / "latest").read_text()) == {"step_dir": "step-000027", "step": 27}
     save(28, keep_last=1)
     assert sorted(p.name for p in run.glob("*step-*")) == ["step-000028", "step-000040"]
+    for step in (29, 30, 31):
+        save(step, keep_last=5)  # fewer older steps than it keeps: all stay
+    assert [p.name for p in RunFolder(run).step_dirs()] == [
+        "step-000028",
+        "step-000029",
+        "step-000030",
+        "step-000031",
+        "step-000040",
+    ]
+    save(32, keep_last=3)
+    assert [p.name for p in RunFolder(run).step_dirs()] == [
+        "step-000030",
+        "step-000031",
+        "step-000032",
+        "step-000040",
+    ]
+
+
+def test_a_step_saved_whose_latest_cannot_be_written_is_said_to_be_saved(tmp_path, monkeypatch):
+    """The step folder is in place; only `latest` found no room. The error says so (not
+    that the step before is the one intact), a resume takes the step, and under
+    output.on_full_disk=continue the run goes on without claiming to have lost it."""
+    import mlx_grpo.checkpoint as ckpt
+    from mlx_grpo.checkpoint import CheckpointError
+    from mlx_grpo.trainer import _unless_full_disk
+
+    run = tmp_path / "run"
+    model, opt = nn.Linear(3, 2), optim.Adam(1e-3)
+    opt.init(model.trainable_parameters())
+
+    def save(step):
+        return save_checkpoint(run, step, model, opt, {}, TrainState(step, {}, {}), 3)
+
+    save(1)
+    write_json = ckpt._write_json
+
+    def no_room_for_latest(path, data):
+        if path.name == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write_json(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_json", no_room_for_latest)
+    with pytest.raises(CheckpointError) as e:
+        save(2)
+    assert str(e.value) == (
+        f"checkpoint: {run / 'step-000002'} is saved, but `latest` or the run's copy of its "
+        "adapters could not be updated: No space left on device (a resume mends them)"
+    )
+    assert RunFolder(run).latest_step_dir() == run / "step-000002"
+    said = []
+    assert _unless_full_disk(lambda: save(3), True, said.append, "this checkpoint") is None
+    assert said == [
+        f"checkpoint: {run / 'step-000003'} is saved, but `latest` or the run's copy of its "
+        "adapters could not be updated: No space left on device (a resume mends them); "
+        "going on (output.on_full_disk=continue)"
+    ]
 
 
 def test_the_newest_complete_step_folder_is_the_latest_whatever_latest_says(tmp_path):

@@ -196,7 +196,7 @@ def check_run(run: Path, strategy: str, seed: int, args) -> None:
 def _run_done(run: Path, budget: int) -> bool:
     folder = RunFolder(run)
     ev = folder.eval_file
-    if not ev.exists() or not folder.latest_file.exists():
+    if not ev.exists() or folder.latest_step_dir() is None:
         return False
     last = read_curve(ev).tokens[-1]
     return last >= budget
@@ -222,7 +222,7 @@ def train_one(run: Path, strategy: str, seed: int, args, extra: list[str]) -> No
         f"--output.save_every={args.eval_every}",
         *extra,
     ]
-    if RunFolder(run).latest_file.exists():  # interrupted: continue it
+    if RunFolder(run).latest_step_dir() is not None:  # interrupted: continue it
         flags = ["--resume", str(run), *extra]
     cmd = [sys.executable, "-m", "mlx_grpo", "train", *flags]
     print(f"[{strategy} seed {seed}] {' '.join(cmd[2:])}", flush=True)
