@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -373,8 +374,8 @@ def train(
     start, counters = _begin(
         dist, run, resume_from, model, optimizer, curriculum, say, kept and kept.get("base")
     )
-    if main:  # (a resume's once its checkpoint has loaded: one that fails changes nothing)
-        run.write_config(cfg)
+    # (a resume's once its checkpoint has loaded: one that fails changes nothing)
+    dist.run_on_main(lambda: run.write_config(cfg))
     if counters.entropy_coef is None:  # a new run, or one from before the option
         counters.entropy_coef = cfg.grpo.entropy_coef
     if counters.beta is None or cfg.grpo.kl_target is None:  # new, older, or a fixed beta
@@ -382,8 +383,12 @@ def train(
     trackers = Trackers(run_dir, cfg.output.report_to if main else [], cfg.model_dump())
     if trackers.names:
         info(f"report_to: {trackers.where()}")
-    if main and evaluate_fn and cfg.train.eval_every and resume_from is None:
-        # The base model's held-out figures: where the curves in eval.jsonl start.
+
+    def base_eval() -> None:
+        """The base model's held-out figures: where the curves in eval.jsonl start."""
+        nonlocal kept
+        if evaluate_fn is None:
+            return
         base = kept and kept.get("base")
         if base:
             info("held-out before training: kept from the start that was stopped")
@@ -397,6 +402,9 @@ def train(
             k: round(v, 3) for k, v in base.items() if k.count("/") == 1 and k != "time/eval_s"
         }
         info(f"held-out before training: {shown}")
+
+    if cfg.train.eval_every and resume_from is None:
+        dist.run_on_main(base_eval)  # (a failure there stops every rank)
     rollout_fn = rollout_fn or rollout_tasks
     if cfg.grpo.compile:
         if loss is not None:
@@ -429,8 +437,7 @@ def train(
             if kept and kept.get("sft_step"):
                 info(f"warm start: continuing after its step {kept['sft_step']}")
             warm = warm_start(model, tokenizer, recipe, tasks, cfg, say, dist, kept, keep)
-            if main:
-                write_atomic(run.warmstart_file, json.dumps(warm) + "\n")
+            dist.run_on_main(lambda: write_atomic(run.warmstart_file, json.dumps(warm) + "\n"))
             nll = warm["nll"]
             info(
                 f"warm start: {cfg.train.sft_steps} steps on {warm['demonstrations']} "
@@ -616,19 +623,18 @@ def train(
                 metrics["compile/traces"] = loss_and_grad.traces
             if (decoder := getattr(model, "_compiled_decoder", None)) is not None:
                 metrics["compile/decode_traces"] = decoder.traces
-            if evaluate_fn and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-                metrics.update(evaluate_fn(step, {"rollout_tokens": counters.rollout_tokens}))
+            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+                tokens = {"rollout_tokens": counters.rollout_tokens}
+                held_out = partial(evaluate_fn, step, tokens) if evaluate_fn else dict
+                metrics.update(dist.run_on_main(held_out))  # (a failure stops every rank)
             idle = zero_var | (unscored & no_signal)
             _warnings(step, metrics, rewards, records, idle, counters, cfg, say)
             if not no_signal.all():
                 _guards(step, metrics, counters, cfg, say)
-            if main:
-                metrics_log.write(metrics)
-                due = _samples_due(step, start, metrics, cfg.train.sample_every)
-                samples = _sample_records(step, tasks, records, g) if due else []
-                for record in samples:
-                    samples_log.write(record)
-                trackers.log(step, metrics, samples)
+            due = _samples_due(step, start, metrics, cfg.train.sample_every)
+            logs = (metrics_log, samples_log, trackers)
+            samples = partial(_sample_records, step, tasks, records, g) if due else list
+            dist.run_on_main(partial(_write_logs, logs, step, metrics, samples))
             history.append(metrics)
             stopping = ctrl_c.requested
             if step % cfg.output.save_every == 0 or last or stopping:
@@ -688,6 +694,16 @@ def _kept_start(run: RunFolder, settings: dict) -> dict | None:
     return kept
 
 
+def _write_logs(logs: tuple, step: int, metrics: dict, samples) -> None:
+    """The step's metrics, `samples()` and their trackers' copy (on rank 0)."""
+    metrics_log, samples_log, trackers = logs
+    metrics_log.write(metrics)
+    records = samples()
+    for record in records:
+        samples_log.write(record)
+    trackers.log(step, metrics, records)
+
+
 def _keep_start(run: RunFolder, state: dict, model, optimizer, go_on: bool, say) -> None:
     """`save_start`; with `go_on`, a full disk costs only this (as a checkpoint)."""
     _unless_full_disk(lambda: save_start(run.path, state, model, optimizer), go_on, say, "it")
@@ -700,21 +716,27 @@ def _begin(
     logs are cut back to; else fresh, with the same adapters on every rank (and
     eval.jsonl's base evaluation kept with `keep_base`)."""
     if resume_from is None:
-        if dist.is_main:  # a run started again before its first checkpoint: no old steps
+
+        def clear() -> None:  # a run started again before its first checkpoint: no old steps
             for log in run.logs:
                 cut_jsonl(log, 0 if keep_base and log == run.eval_file else -1)
+
+        dist.run_on_main(clear)
         if dist.size > 1:  # the same adapters everywhere even if the ranks' RNGs differ
             sent = dist.broadcast_arrays(_adapters(model) if dist.is_main else None)
             model.load_weights(list(sent.items()), strict=False)
         return 0, Counters()
     st = _resume(dist, resume_from, model, optimizer)
     curriculum.load_state_dict(st.curriculum)
-    if dist.is_main:
+
+    def mend() -> None:
         shutil.rmtree(run.start_dir, ignore_errors=True)  # (past it)
         for log in run.logs:
             if note := cut_jsonl(log, st.step):
                 say(note)
         publish(resume_from)
+
+    dist.run_on_main(mend)
     return st.step, Counters(**st.counters)
 
 

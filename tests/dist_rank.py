@@ -5,6 +5,7 @@
 Runs `python -m mlx_grpo train ARGS...` from ROOT/rank<R> (its own folder, as if each
 rank were a machine of its own: relative paths such as --output.dir land there), then
 saves the adapters this rank ends with to ROOT/adapters-rank<R>.safetensors.
+DIST_RANK_NO_ROOM (below) makes rank 0's disk full at one write.
 """
 
 from __future__ import annotations
@@ -39,4 +40,19 @@ def train_and_save(model, *args, **kwargs):
 
 
 trainer.train = train_and_save
+# DIST_RANK_NO_ROOM=<log name>:<step>: rank 0's disk is full when that log gets that step.
+if rank == 0 and os.environ.get("DIST_RANK_NO_ROOM"):
+    import errno
+
+    import mlx_grpo.log as log
+
+    name, step = os.environ["DIST_RANK_NO_ROOM"].split(":")
+    real_append = log.append_record
+
+    def no_room(path, record):
+        if Path(path).name == name and record.get("step") == int(step):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_append(path, record)
+
+    log.append_record = no_room
 main(sys.argv[2:])

@@ -38,8 +38,9 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def _launch(root: Path, *args: str) -> str:
+def _launch(root: Path, *args: str, ok: bool = True, **env_extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), *sys.path])}
+    env.update(env_extra)
     cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port"]
     cmd += [str(_free_port_pair()), "--", sys.executable, str(TESTS / "dist_rank.py")]
     done = subprocess.run(
@@ -52,7 +53,8 @@ def _launch(root: Path, *args: str) -> str:
     )
     out = done.stdout + done.stderr
     # mlx.launch exits 0 even when a rank fails: look at what the ranks said.
-    assert "exited with code" not in out and "done: adapters" in out, out
+    if ok:
+        assert "exited with code" not in out and "done: adapters" in out, out
     return out
 
 
@@ -152,6 +154,24 @@ def test_two_ranks_match_one_process_and_resume(tiny_model_dir, tmp_path):
     assert _metrics(two / "rank0" / "ckpt" / "s") == m2
     _same(_adapters(two / "rank0" / "ckpt" / "s" / "adapters.safetensors"), a0)
     _same(_adapters(two / "adapters-rank1.safetensors"), a0)
+
+
+def test_a_full_disk_on_rank_0_stops_every_rank(tiny_model_dir, tmp_path):
+    """Rank 0 alone writes the logs. When its disk fills at step 2's metrics record,
+    rank 1 stops with it, told so, rather than in the next exchange (the ring backend
+    then fails with a traceback; a backend that does not notice the peer is gone waits
+    forever): rank 0 says the one-line error, and the run resumes from its step-1
+    checkpoint once there is room."""
+    two = tmp_path / "two"
+    args = _run_args(tiny_model_dir, "--output.dir=ckpt", "--output.run=r", "--output.save_every=1")
+    out = _launch(two, *args, ok=False, DIST_RANK_NO_ROOM="metrics.jsonl:2")
+    assert out.count("metrics.jsonl: No space left on device") == 1, out
+    assert "Traceback" not in out and "done: adapters" not in out, out
+    run = two / "rank0" / "ckpt" / "r"
+    assert [r["step"] for r in _metrics(run)] == [1]
+    out = _launch(two, "--resume", "ckpt/r")
+    assert out.count("resuming from step-000001") == 1
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
 
 
 COLLECTIVES = """
