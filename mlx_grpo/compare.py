@@ -372,7 +372,7 @@ def run_compare(argv: list[str], console=None) -> dict:
 
 def _adapter_bytes(side: Side) -> bytes | None:
     """The side's adapter weights as stored (a run's top-level copy equals its step's)."""
-    return None if side.adapter is None else (side.adapter / "adapters.safetensors").read_bytes()
+    return None if side.weights is None else (side.weights / "adapters.safetensors").read_bytes()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -165,11 +165,11 @@ def side_key(side, settings: dict) -> str | None:
         if not folder.is_dir():
             return None  # a Hub id: the same name can load another snapshot
         adapter = None
-        if side.adapter is not None:
+        if side.weights is not None:
             names = ("adapters.safetensors", "adapter_config.json")  # what load_adapters reads
-            adapter = {n: _digest_file(side.adapter / n) for n in names}
+            adapter = {n: _digest_file(side.weights / n) for n in names}
         model = side.model.model_dump(exclude={"init_adapter"})  # compare never reads it
-        if side.adapter is None:
+        if side.weights is None:
             settings = {**settings, "rollout": dict(settings["rollout"], fold_adapters=None)}
         material = {
             **settings,

@@ -4,7 +4,10 @@ check that both sides tokenize the prompts alike."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,14 @@ class Side:
     run_dir: Path | None = None
     run_config: RunConfig | None = None
     step: int | None = None
+    # A run folder's latest adapters as they were when the command started: the run may
+    # still be training, and its own copy then changes under the evaluation.
+    frozen: Path | None = None
+
+    @property
+    def weights(self) -> Path | None:
+        """The folder the adapters are read from (loaded, hashed for the cache)."""
+        return self.frozen or self.adapter
 
     @property
     def name(self) -> str:
@@ -125,8 +136,31 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
     folder = step_dir or RunFolder(run_dir).adapters_dir()
     if not (folder / RunFolder.ADAPTERS).exists():
         raise CompareError(f"{opt}: {folder} has no adapters.safetensors (no checkpoint saved yet)")
-    _check_adapter(folder, opt)
-    return Side(flag, spec, cfg.model, folder, run_dir, cfg, RunFolder.saved_step(folder))
+    frozen = None if step_dir else _freeze(RunFolder(run_dir))
+    _check_adapter(frozen or folder, opt)
+    step = RunFolder.saved_step(frozen or folder)
+    return Side(flag, spec, cfg.model, folder, run_dir, cfg, step, frozen)
+
+
+def _freeze(run: RunFolder) -> Path | None:
+    """A copy of the run's newest step folder's adapters and state (removed at exit),
+    or None when it has no step folder. A step a training run prunes meanwhile is
+    skipped for the next newest."""
+    names = (RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG, RunFolder.STATE)
+    for _ in range(5):
+        newest = run.latest_step_dir()
+        if newest is None:
+            return None
+        copy = Path(tempfile.mkdtemp(prefix="mlx-grpo-side-")) / newest.name
+        atexit.register(shutil.rmtree, copy.parent, ignore_errors=True)
+        copy.mkdir()
+        try:
+            for name in names:
+                shutil.copyfile(newest / name, copy / name)
+        except FileNotFoundError:
+            continue
+        return copy
+    return None
 
 
 def _with_adapter(side: Side, adapter: str | None) -> Side:
@@ -148,9 +182,9 @@ def load_side(side: Side):
         model, tokenizer = load_model(side.model)
     except ModelLoadError as e:
         raise CompareError(f"--{side.flag} {side.spec}: {e}") from None
-    if side.adapter is not None:
+    if side.weights is not None:
         try:
-            load_adapters(model, str(side.adapter))
+            load_adapters(model, str(side.weights))
         except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
             lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
             more = f" ({lines[1]}{'; ...' if len(lines) > 2 else ''})" if len(lines) > 1 else ""

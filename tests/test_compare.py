@@ -401,6 +401,40 @@ def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
     assert proc.stderr.startswith("error: --b /nonexistent/run: no such run or model folder")
 
 
+def test_a_run_still_training_is_compared_as_it_was_when_the_command_started(toy_run, tmp_path):
+    """`--b RUN` while RUN trains on: side A's evaluation takes minutes, in which the run
+    saves new steps, replaces its own copy of the adapters and prunes the step that was
+    its latest. B is still that step: its label, its cache key and its weights."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_grpo import evalcache
+    from mlx_grpo.checkpoint import publish, remove_step
+
+    run = tmp_path / "live"
+    shutil.copytree(toy_run, run)
+    side = sides.resolve_side("b", str(run))
+    key = evalcache.side_key(side, {"settings": 1})
+    assert side.step == 2 and side.adapter == run and key is not None
+    later = run / "step-000003"  # the training goes on
+    shutil.copytree(run / "step-000002", later)
+    moved = {k: v + 1 for k, v in mx.load(str(later / "adapters.safetensors")).items()}
+    mx.save_safetensors(str(later / "adapters.safetensors"), moved)
+    (later / "state.json").write_text(json.dumps({"step": 3, "counters": {}, "curriculum": {}}))
+    publish(later)
+    remove_step(run / "step-000002")
+    assert evalcache.side_key(side, {"settings": 1}) == key
+    assert side.describe().startswith(f"run {run}, step 2 ")
+    model, _ = sides.load_side(side)
+    saved = mx.load(str(toy_run / "step-000002" / "adapters.safetensors"))
+    params = dict(tree_flatten(model.parameters()))
+    assert all(mx.array_equal(params[k], v).item() for k, v in saved.items())
+    # A run named again now is the run as it is now.
+    assert sides.resolve_side("b", str(run)).step == 3
+
+
 def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
     tiny_model_dir, toy_run, tmp_path, capsys, monkeypatch
 ):
