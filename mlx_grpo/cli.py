@@ -219,10 +219,11 @@ def _train(dist, cfg: RunConfig, run_dir: Path, resume_from: Path | None, done: 
     _check_ranks_agree(dist, len(train_tasks), trainable_count(model))
 
     eval_fn = None
-    if cfg.train.eval_every and dist.is_main:
+    if cfg.train.eval_every:  # (every rank: a recipe without them stops them all alike)
         eval_tasks = spread(
             recipe.tasks("eval", cfg.recipe.eval_size, cfg.train.seed), cfg.train.eval_tasks
         )
+    if cfg.train.eval_every and dist.is_main:
         eval_fn = make_eval_fn(
             model, tokenizer, recipe, eval_tasks, cfg.rollout, RunFolder(run_dir).eval_file
         )

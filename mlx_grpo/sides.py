@@ -14,7 +14,7 @@ from pathlib import Path
 from mlx_grpo.checkpoint import CheckpointError, load_arrays
 from mlx_grpo.config import ConfigError, ModelConfig, RunConfig, build_config
 from mlx_grpo.recipe import Recipe, Task
-from mlx_grpo.runfolder import RunFolder
+from mlx_grpo.runfolder import RunFolder, step_of
 
 
 class CompareError(RuntimeError):
@@ -32,8 +32,8 @@ class Side:
     run_dir: Path | None = None
     run_config: RunConfig | None = None
     step: int | None = None
-    # A run folder's latest adapters as they were when the command started: the run may
-    # still be training, and its own copy then changes under the evaluation.
+    # A run's (or step's) adapters as they were when the command began (`_freeze`): the
+    # run may still be training, replacing its own copy and pruning old steps.
     frozen: Path | None = None
 
     @property
@@ -136,31 +136,35 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
     folder = step_dir or RunFolder(run_dir).adapters_dir()
     if not (folder / RunFolder.ADAPTERS).exists():
         raise CompareError(f"{opt}: {folder} has no adapters.safetensors (no checkpoint saved yet)")
-    frozen = None if step_dir else _freeze(RunFolder(run_dir))
-    _check_adapter(frozen or folder, opt)
-    step = RunFolder.saved_step(frozen or folder)
-    return Side(flag, spec, cfg.model, folder, run_dir, cfg, step, frozen)
+    _check_adapter(folder, opt)
+    frozen = _freeze(folder, opt)
+    return Side(flag, spec, cfg.model, folder, run_dir, cfg, RunFolder.saved_step(frozen), frozen)
 
 
-def _freeze(run: RunFolder) -> Path | None:
-    """A copy of the run's newest step folder's adapters and state (removed at exit),
-    or None when it has no step folder. A step a training run prunes meanwhile is
-    skipped for the next newest."""
-    names = (RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG, RunFolder.STATE)
-    for _ in range(5):
-        newest = run.latest_step_dir()
-        if newest is None:
-            return None
-        copy = Path(tempfile.mkdtemp(prefix="mlx-grpo-side-")) / newest.name
-        atexit.register(shutil.rmtree, copy.parent, ignore_errors=True)
+def _freeze(folder: Path, opt: str) -> Path:
+    """A copy of a run's (or step's) adapters and the file naming their step, removed at
+    exit: a run that trains on during the comparison replaces its own copy of the
+    adapters and prunes old steps; the side stays what it was when the command began."""
+    names = [RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG]
+    names.append(RunFolder.STATE if step_of(folder.name) is not None else RunFolder.LATEST)
+    copy = Path(tempfile.mkdtemp(prefix="mlx-grpo-side-")) / folder.name
+    atexit.register(shutil.rmtree, copy.parent, ignore_errors=True)
+    try:
         copy.mkdir()
-        try:
-            for name in names:
-                shutil.copyfile(newest / name, copy / name)
-        except FileNotFoundError:
-            continue
-        return copy
-    return None
+        for name in names:
+            if (folder / name).exists() or name != RunFolder.LATEST:
+                shutil.copyfile(folder / name, copy / name)
+    except FileNotFoundError:
+        raise CompareError(
+            f"{opt}: {folder} was removed while being read (a training run pruned it); "
+            "run the command again"
+        ) from None
+    except OSError as e:
+        raise CompareError(
+            f"{opt}: cannot copy its adapters to {copy.parent} ({e.strerror}); set TMPDIR "
+            "to a folder with room"
+        ) from None
+    return copy
 
 
 def _with_adapter(side: Side, adapter: str | None) -> Side:

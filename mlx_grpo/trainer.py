@@ -380,7 +380,9 @@ def train(
         counters.entropy_coef = cfg.grpo.entropy_coef
     if counters.beta is None or cfg.grpo.kl_target is None:  # new, older, or a fixed beta
         counters.beta = cfg.grpo.beta
-    trackers = Trackers(run_dir, cfg.output.report_to if main else [], cfg.model_dump())
+    made = []  # rank 0's trackers (their files, a wandb login): a failure stops every rank
+    dist.run_on_main(lambda: made.append(Trackers(run_dir, cfg.output.report_to, cfg.model_dump())))
+    trackers = made[0] if made else Trackers(run_dir, [], cfg.model_dump())
     if trackers.names:
         info(f"report_to: {trackers.where()}")
 
@@ -752,15 +754,18 @@ def _start_reference(cfg: RunConfig, run: RunFolder, model, resume_from, dist: D
         dist.run_on_main(lambda: save_arrays(run.reference_file, reference))
         return reference
 
-    def check():
+    held = []
+
+    def read():
         if not run.reference_file.exists():
             raise TrainingError(
                 f"grpo.reference=start: {run.reference_file} not found (the run was "
                 "started with grpo.reference=base; resume it with that)"
             )
+        held.append(load_arrays(run.reference_file))
 
-    dist.run_on_main(check)  # (raises on every rank)
-    return dist.broadcast_arrays(load_arrays(run.reference_file) if dist.is_main else None)
+    dist.run_on_main(read)  # (raises on every rank)
+    return dist.broadcast_arrays(held[0] if held else None)
 
 
 def _groups_to_train(
