@@ -214,14 +214,11 @@ def _load_tokenizer(side: Side):
 
 
 def prompt_tokens(tokenizer, recipe: Recipe, tasks: list[Task], max_prompt_tokens: int):
-    """The token ids of every task's first prompt, as the rollout encodes it."""
-    from mlx_grpo.rollout import encode_prompt
+    """The token ids of every task's first prompt, as the rollout encodes it (each
+    environment closed again: a MiniWoB one holds a browser window)."""
+    from mlx_grpo.warmstart import first_prompt
 
-    out = []
-    for t in tasks:
-        env = recipe.make_env(t) if recipe.multi_turn else None
-        out.append(encode_prompt(tokenizer, recipe.first_messages(t, env), max_prompt_tokens))
-    return out
+    return [first_prompt(recipe, tokenizer, t, max_prompt_tokens) for t in tasks]
 
 
 def check_tokenizers(a: Side, b: Side, recipe: Recipe, tasks: list[Task], max_prompt_tokens: int):

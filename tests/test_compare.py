@@ -305,6 +305,33 @@ def test_multi_turn_recipe_sampled(tiny_model_dir, toy_run, tmp_path, capsys):
     assert [x["level"] for x in data["levels"][::2]] == [1, 2, 3]
 
 
+def test_the_tokenizer_check_closes_every_environment_it_opens(tiny_model_dir):
+    """Each task's first prompt comes from a reset environment; a MiniWoB one holds a
+    browser window, and the check once kept one per task and side (600 at 300 tasks)."""
+    from types import SimpleNamespace
+
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_grpo.recipe import Recipe
+
+    opened, closed = [], []
+
+    class Env:
+        def reset(self):
+            opened.append(self)
+            return "the page"
+
+        def close(self):
+            closed.append(self)
+
+    recipe = SimpleNamespace(multi_turn=True, make_env=lambda task: Env())
+    recipe.first_messages = lambda task, env: Recipe.first_messages(recipe, task, env)
+    tasks = [SimpleNamespace(messages=[{"role": "user", "content": f"task {i}"}]) for i in range(5)]
+    ids = sides.prompt_tokens(load_tokenizer(tiny_model_dir), recipe, tasks, 10**6)
+    assert len(ids) == 5 and len(set(map(tuple, ids))) == 5
+    assert len(opened) == 5 and closed == opened
+
+
 def test_cli_module_end_to_end(tiny_model_dir, tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run(
