@@ -255,6 +255,25 @@ def test_no_browser_is_one_line_saying_what_to_install(monkeypatch):
 # ----------------------------------------------------------------------- faults
 
 
+def test_selenium_reaches_chromedriver_directly_and_once_per_command(monkeypatch):
+    """A proxy in the environment (no no_proxy for 127.0.0.1) sent every WebDriver
+    command to the proxy, so no browser started; urllib3's default retries let a GET
+    that timed out take up to four COMMAND_TIMEOUTs."""
+    import urllib3
+    from selenium.webdriver.remote.remote_connection import RemoteConnection
+    from urllib3.util.retry import Retry
+
+    monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    conn = RemoteConnection(client_config=browser.client_config("http://127.0.0.1:9515"))
+    pool = conn._get_connection_manager()
+    assert type(pool) is urllib3.PoolManager  # not a ProxyManager
+    assert Retry.from_int(pool.connection_pool_kw.get("retries")).total is False
+    assert pool.connection_pool_kw["timeout"] == browser.COMMAND_TIMEOUT
+
+
 def test_a_crashed_browser_costs_its_episode_and_is_restarted():
     env = _env("enter-text")
     env.reset()

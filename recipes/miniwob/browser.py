@@ -33,6 +33,7 @@ from pathlib import Path
 import miniwob
 from selenium import webdriver
 from selenium.common.exceptions import JavascriptException
+from selenium.webdriver.common.proxy import Proxy, ProxyType
 from selenium.webdriver.remote.client_config import ClientConfig
 
 from mlx_grpo.tether import kill_group, tether, untether
@@ -61,6 +62,18 @@ FLAGS = (
     "--mute-audio",
     "--window-size=500,400",
 )
+
+
+def client_config(url: str) -> ClientConfig:
+    """How Selenium talks to the local chromedriver: directly, whatever `http_proxy`
+    says (through a proxy every command failed), and each command within
+    COMMAND_TIMEOUT (urllib3 retries a read that timed out, so a GET took up to 4x)."""
+    return ClientConfig(
+        remote_server_addr=url,
+        timeout=COMMAND_TIMEOUT,
+        proxy=Proxy({"proxyType": ProxyType.DIRECT}),
+        init_args_for_pool_manager={"init_args_for_pool_manager": {"retries": False}},
+    )
 
 
 class BrowserError(RuntimeError):
@@ -163,7 +176,7 @@ class Browser:
         self.driver = webdriver.Remote(
             command_executor=url,
             options=options,
-            client_config=ClientConfig(remote_server_addr=url, timeout=COMMAND_TIMEOUT),
+            client_config=client_config(url),
         )
         self.driver.set_script_timeout(COMMAND_TIMEOUT)
         self.driver.set_page_load_timeout(COMMAND_TIMEOUT)
