@@ -503,7 +503,8 @@ def train(
             shares = dist.gather(share)
             gather_s = time.perf_counter() - tic
             records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
-            rewards = np.array([r.reward for r in records], dtype=np.float32)
+            scored_rewards = np.array([r.reward for r in records], dtype=np.float32)
+            rewards = without_infrastructure_failures(scored_rewards, records, g)
             if errors := [r.error for r in records if r.error]:
                 say(
                     f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}"
@@ -581,7 +582,7 @@ def train(
             budget = cfg.train.token_budget
             last = step == cfg.train.steps or bool(budget and counters.rollout_tokens >= budget)
             metrics = _step_metrics(
-                step, shares, records, rewards, advantages, zero_var, it_metrics,
+                step, shares, records, scored_rewards, advantages, zero_var, it_metrics,
                 lr=float(optimizer.learning_rate), delta=delta, trained=len(train_groups),
                 counters=counters, update_s=update_s, curriculum=curriculum.metrics(),
                 ranks=dist.size, sync_s=gather_s + sync_s,
@@ -766,6 +767,32 @@ def _start_reference(cfg: RunConfig, run: RunFolder, model, resume_from, dist: D
 
     dist.run_on_main(read)  # (raises on every rank)
     return dist.broadcast_arrays(held[0] if held else None)
+
+
+# Failures of the machinery, not of the policy: a browser that crashed or hung under an
+# episode (the sandbox's limits, by contrast, are the program's own doing).
+INFRASTRUCTURE_FAILURES = frozenset({"browser"})
+
+
+def without_infrastructure_failures(
+    rewards: np.ndarray, records: list[CompletionRecord], group_size: int
+) -> np.ndarray:
+    """`rewards` with each completion that failed by INFRASTRUCTURE_FAILURES given the
+    mean of its group's other rewards: its advantage is 0 and the group's mean is
+    theirs, so the policy is neither blamed for the crash nor the others credited
+    for it. A group of nothing but such failures keeps its equal rewards (no signal).
+
+    >>> rec = lambda failure: CompletionRecord(0.0, {}, None, failure, False, 1, 1)
+    >>> recs = [rec(None), rec(None), rec(None), rec("browser")]
+    >>> without_infrastructure_failures(np.array([1.0, 0.0, 0.5, 0.0]), recs, 4).tolist()
+    [1.0, 0.0, 0.5, 0.5]
+    """
+    out = rewards.astype(np.float32).reshape(-1, group_size)
+    broke = np.array([r.failure in INFRASTRUCTURE_FAILURES for r in records])
+    broke = broke.reshape(-1, group_size)
+    for i in np.flatnonzero(broke.any(axis=1) & ~broke.all(axis=1)):
+        out[i, broke[i]] = out[i, ~broke[i]].mean()
+    return out.reshape(-1)
 
 
 def _groups_to_train(

@@ -810,6 +810,39 @@ def test_on_full_disk_continue_trains_on_without_that_checkpoint(
     _same_run(run, tmp_path / "full")
 
 
+def test_a_crashed_browser_is_not_the_policys_failure(tiny_model_dir, tmp_path, monkeypatch):
+    """A completion whose episode the machinery broke (`failure: browser`) enters the
+    advantages at its group's mean of the others: advantage 0, the others' centring
+    unchanged. The step's reward metrics still count it as scored (0)."""
+    recipe = tmp_path / "flaky"
+    shutil.copytree(TOY, recipe)
+    (recipe / "flaky.py").write_text(
+        "def flaky(completions, **kw):\n"
+        "    return [{'flaky': 0.0, 'failure': 'browser'} if i % 4 == 1 else {'flaky': 0.0}\n"
+        "            for i in range(len(completions))]\n"
+    )
+    seen = []
+    real = trainer_mod.group_advantages
+
+    def spy(rewards, g, scale):
+        seen.append(np.array(rewards))
+        return real(rewards, g, scale)
+
+    monkeypatch.setattr(trainer_mod, "group_advantages", spy)
+    args = _args(tiny_model_dir, tmp_path, "r", "--train.steps=1", "--train.sample_every=1")
+    args[1] = str(recipe)
+    args += ["--recipe.rewards.flaky=flaky.py:flaky", "--recipe.weights.flaky=1.0"]
+    assert cmd_train(args) == 0
+    scored = np.array([json.loads(x)["reward"] for x in (tmp_path / "r" / "samples.jsonl").open()])
+    groups = scored.reshape(-1, 4).astype(np.float32)
+    expected = groups.copy()
+    expected[:, 1] = groups[:, [0, 2, 3]].mean(axis=1)
+    np.testing.assert_allclose(seen[0].reshape(-1, 4), expected, rtol=4 * 2.0**-24)
+    (metrics,) = _metrics(tmp_path / "r")
+    assert metrics["fail/browser"] == len(groups)
+    assert metrics["reward/mean"] == pytest.approx(float(scored.mean()), rel=1e-6)
+
+
 def test_a_reward_that_never_returns_costs_only_its_completion(tiny_model_dir, tmp_path):
     """A reward call that sleeps forever: after recipe.reward_timeout_s that completion
     scores 0 as fail/timeout, the other completions of the step score, the run ends."""
