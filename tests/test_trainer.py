@@ -62,6 +62,13 @@ def _args(model_dir, out, run, *extra):
     ]
 
 
+def _toy_with(recipe: Path, name: str, source: str) -> Path:
+    """A copy of the toy recipe at `recipe` with one more file, `name` holding `source`."""
+    shutil.copytree(TOY, recipe)
+    (recipe / name).write_text(source)
+    return recipe
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -814,12 +821,12 @@ def test_a_crashed_browser_is_not_the_policys_failure(tiny_model_dir, tmp_path, 
     """A completion whose episode the machinery broke (`failure: browser`) enters the
     advantages at its group's mean of the others: advantage 0, the others' centring
     unchanged. The step's reward metrics still count it as scored (0)."""
-    recipe = tmp_path / "flaky"
-    shutil.copytree(TOY, recipe)
-    (recipe / "flaky.py").write_text(
+    recipe = _toy_with(
+        tmp_path / "flaky",
+        "flaky.py",
         "def flaky(completions, **kw):\n"
         "    return [{'flaky': 0.0, 'failure': 'browser'} if i % 4 == 1 else {'flaky': 0.0}\n"
-        "            for i in range(len(completions))]\n"
+        "            for i in range(len(completions))]\n",
     )
     seen = []
     real = trainer_mod.group_advantages
@@ -846,18 +853,16 @@ def test_a_crashed_browser_is_not_the_policys_failure(tiny_model_dir, tmp_path, 
 def test_a_reward_that_never_returns_costs_only_its_completion(tiny_model_dir, tmp_path):
     """A reward call that sleeps forever: after recipe.reward_timeout_s that completion
     scores 0 as fail/timeout, the other completions of the step score, the run ends."""
-    import shutil
-
-    recipe = tmp_path / "hangs"
-    shutil.copytree(TOY, recipe)
-    (recipe / "hang.py").write_text(
+    recipe = _toy_with(
+        tmp_path / "hangs",
+        "hang.py",
         "import threading\n"
         "calls = []\n"
         "def slow(task, completion):\n"
         "    calls.append(1)\n"
         "    if len(calls) == 3:\n"
         "        threading.Event().wait()  # forever\n"
-        "    return 1.0\n"
+        "    return 1.0\n",
     )
     args = _args(tiny_model_dir, tmp_path, "r", "--train.steps=2")
     args[1] = str(recipe)
