@@ -274,6 +274,27 @@ def test_selenium_reaches_chromedriver_directly_and_once_per_command(monkeypatch
     assert pool.connection_pool_kw["timeout"] == browser.COMMAND_TIMEOUT
 
 
+def test_a_browser_leaves_nothing_in_the_temporary_folder(monkeypatch):
+    """Chromium's own temporary folder (its singleton socket) lives in the profile, and
+    goes with it; a start that fails partway removes what it made."""
+    import glob
+    import tempfile
+
+    def made() -> set[str]:
+        tmp = tempfile.gettempdir()
+        return {*glob.glob(f"{tmp}/org.chromium.*"), *glob.glob(f"{tmp}/mlx-grpo-chromium-*")}
+
+    before = made()
+    chrome, driver = browser.find_browser()
+    b = browser.Browser(chrome, driver)
+    assert b.driver.execute_script("return 1 + 1") == 2
+    b.close()
+    monkeypatch.setattr(browser.Browser, "_connect", lambda self, *a: 1 / 0)
+    with pytest.raises(browser.BrowserError, match="could not start .*ZeroDivisionError"):
+        browser.Browser(chrome, driver)
+    assert made() == before
+
+
 def test_a_crashed_browser_costs_its_episode_and_is_restarted():
     env = _env("enter-text")
     env.reset()

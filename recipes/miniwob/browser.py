@@ -140,21 +140,31 @@ class Browser:
     def __init__(self, chrome: str, driver: str):
         port = _free_port()
         self.profile = tempfile.mkdtemp(prefix="mlx-grpo-chromium-")
-        self.proc = subprocess.Popen(
-            [driver, f"--port={port}"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a process group of its own, that Chromium joins
-        )
-        tether(self.proc.pid)
+        # Chromium's own temporary files (its singleton socket folder) go with the
+        # profile, and are removed with it.
+        tmp = os.path.join(self.profile, "tmp")
+        os.mkdir(tmp)
+        self.alive = False
+        try:
+            self.proc = subprocess.Popen(
+                [driver, f"--port={port}"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "TMPDIR": tmp},
+                start_new_session=True,  # a process group of its own, that Chromium joins
+            )
+        except OSError as e:
+            shutil.rmtree(self.profile, ignore_errors=True)
+            raise BrowserError(f"could not start {driver}: {_short(e)}") from None
         self.alive = True
         try:
+            tether(self.proc.pid)
             self._connect(chrome, port)
+            self.free = [self.driver.current_window_handle]
         except Exception as e:
             self.close()
             raise BrowserError(f"could not start {chrome}: {_short(e)}") from None
-        self.free = [self.driver.current_window_handle]
         self.in_use: set[str] = set()
         self.current = self.free[0]
 
