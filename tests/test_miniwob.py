@@ -281,13 +281,18 @@ def test_a_browser_leaves_nothing_in_the_temporary_folder(monkeypatch):
     import tempfile
 
     def made() -> set[str]:
-        tmp = tempfile.gettempdir()
-        return {*glob.glob(f"{tmp}/org.chromium.*"), *glob.glob(f"{tmp}/mlx-grpo-chromium-*")}
+        names = ("org.chromium.*", "mlx-grpo-chromium-*", "mgc-*")
+        return {
+            p for d in {tempfile.gettempdir(), "/tmp"} for n in names for p in glob.glob(f"{d}/{n}")
+        }
 
     before = made()
     chrome, driver = browser.find_browser()
     b = browser.Browser(chrome, driver)
     assert b.driver.execute_script("return 1 + 1") == 2
+    # Chromium's singleton socket path must fit a unix socket's 104 bytes (macOS)
+    longest = len(b.tmp) + len("/org.chromium.Chromium.XXXXXX/SingletonSocket")
+    assert longest <= 103 and glob.glob(f"{b.tmp}/org.chromium.*"), (b.tmp, longest)
     b.close()
     monkeypatch.setattr(browser.Browser, "_connect", lambda self, *a: 1 / 0)
     with pytest.raises(browser.BrowserError, match="could not start .*ZeroDivisionError"):

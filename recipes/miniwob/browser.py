@@ -140,10 +140,13 @@ class Browser:
     def __init__(self, chrome: str, driver: str):
         port = _free_port()
         self.profile = tempfile.mkdtemp(prefix="mlx-grpo-chromium-")
-        # Chromium's own temporary files (its singleton socket folder) go with the
-        # profile, and are removed with it.
-        tmp = os.path.join(self.profile, "tmp")
-        os.mkdir(tmp)
+        # Chromium's own temporary files (its singleton socket folder) go in a folder of
+        # this browser's, removed with it. Short and under /tmp where it can be: the
+        # socket's path must fit in 104 bytes (macOS), and a profile under macOS's
+        # /var/folders/.../T/ would not leave room for it.
+        self.tmp = tempfile.mkdtemp(
+            prefix="mgc-", dir="/tmp" if os.access("/tmp", os.W_OK) else None
+        )
         self.alive = False
         try:
             self.proc = subprocess.Popen(
@@ -151,19 +154,21 @@ class Browser:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                env={**os.environ, "TMPDIR": tmp},
+                env={**os.environ, "TMPDIR": self.tmp, "MAC_CHROMIUM_TMPDIR": self.tmp},
                 start_new_session=True,  # a process group of its own, that Chromium joins
             )
         except OSError as e:
-            shutil.rmtree(self.profile, ignore_errors=True)
+            self._remove_folders()
             raise BrowserError(f"could not start {driver}: {_short(e)}") from None
         self.alive = True
         try:
             tether(self.proc.pid)
             self._connect(chrome, port)
             self.free = [self.driver.current_window_handle]
-        except Exception as e:
+        except BaseException as e:  # (a Ctrl-C during the start too: nothing left running)
             self.close()
+            if not isinstance(e, Exception):
+                raise
             raise BrowserError(f"could not start {chrome}: {_short(e)}") from None
         self.in_use: set[str] = set()
         self.current = self.free[0]
@@ -233,10 +238,16 @@ class Browser:
         if not self.alive:
             return
         self.alive = False
-        kill_group(self.proc.pid)
-        self.proc.wait()
-        untether(self.proc.pid)
-        shutil.rmtree(self.profile, ignore_errors=True)
+        try:
+            kill_group(self.proc.pid)
+            self.proc.wait()
+            untether(self.proc.pid)
+        finally:
+            self._remove_folders()
+
+    def _remove_folders(self) -> None:
+        for folder in (self.profile, self.tmp):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _short(e: BaseException) -> str:
