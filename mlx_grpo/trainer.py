@@ -504,7 +504,8 @@ def train(
             gather_s = time.perf_counter() - tic
             records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
             scored_rewards = np.array([r.reward for r in records], dtype=np.float32)
-            rewards = without_infrastructure_failures(scored_rewards, records, g)
+            broke = np.array([r.failure in INFRASTRUCTURE_FAILURES for r in records])
+            rewards = without_infrastructure_failures(scored_rewards, broke, g)
             if errors := [r.error for r in records if r.error]:
                 say(
                     f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}"
@@ -515,9 +516,11 @@ def train(
             # Advantages; the curriculum hears the rewards; the groups with signal train
             # (with guidance, the update's rewards have the demonstrations in).
             guided = [(row, r) for sh in shares for row, r in sh.get("guided", ())]
-            update_rewards = rewards.copy()
+            update_rewards = scored_rewards.copy()
             for row, r in guided:
                 update_rewards[row] = r
+            broke[[row for row, _ in guided]] = False  # (a demonstration took its place)
+            update_rewards = without_infrastructure_failures(update_rewards, broke, g)
             advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
             demos = [row for sh in shares for row in sh.get("demos", ())]
             zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
@@ -536,6 +539,8 @@ def train(
                     for r in range(mine.start * g, mine.stop * g)
                     if (zero_var | unscored)[r // g] and r not in demos
                 )
+            if broke.any():  # exactly 0, not the float32 rounding of mean - mean
+                advantages = mx.where(mx.array(broke), 0.0, advantages)
             no_signal = np.array(zero_variance_groups(mx.array(update_rewards), g))
             # A guided group trains: its demonstration is a success.
             no_signal |= unscored & ~np.isin(np.arange(n_tasks), [row // g for row, _ in guided])
@@ -775,23 +780,27 @@ INFRASTRUCTURE_FAILURES = frozenset({"browser"})
 
 
 def without_infrastructure_failures(
-    rewards: np.ndarray, records: list[CompletionRecord], group_size: int
+    rewards: np.ndarray, broke: np.ndarray, group_size: int
 ) -> np.ndarray:
-    """`rewards` with each completion that failed by INFRASTRUCTURE_FAILURES given the
-    mean of its group's other rewards: its advantage is 0 and the group's mean is
-    theirs, so the policy is neither blamed for the crash nor the others credited
-    for it. A group of nothing but such failures keeps its equal rewards (no signal).
+    """`rewards` with each completion that failed by INFRASTRUCTURE_FAILURES (`broke`)
+    given the mean of its group's other rewards (in float64: others that are equal
+    give their value exactly), so that the group's mean is theirs and the policy is
+    neither blamed for the crash nor the others credited for it; the trainer then sets
+    its advantage to exactly 0. A group of nothing but such failures gets equal
+    rewards (no signal).
 
-    >>> rec = lambda failure: CompletionRecord(0.0, {}, None, failure, False, 1, 1)
-    >>> recs = [rec(None), rec(None), rec(None), rec("browser")]
-    >>> without_infrastructure_failures(np.array([1.0, 0.0, 0.5, 0.0]), recs, 4).tolist()
+    >>> broke = np.array([False, False, False, True])
+    >>> without_infrastructure_failures(np.array([1.0, 0.0, 0.5, 0.0]), broke, 4).tolist()
     [1.0, 0.0, 0.5, 0.5]
+    >>> alike = np.array([1.05] * 7 + [0.0], dtype=np.float32)  # (a float32 mean: 1 ulp off)
+    >>> bool((without_infrastructure_failures(alike, np.arange(8) == 7, 8) == alike[0]).all())
+    True
     """
     out = rewards.astype(np.float32).reshape(-1, group_size)
-    broke = np.array([r.failure in INFRASTRUCTURE_FAILURES for r in records])
     broke = broke.reshape(-1, group_size)
-    for i in np.flatnonzero(broke.any(axis=1) & ~broke.all(axis=1)):
-        out[i, broke[i]] = out[i, ~broke[i]].mean()
+    for i in np.flatnonzero(broke.any(axis=1)):
+        others = out[i, ~broke[i]] if not broke[i].all() else out[i, :1] * 0
+        out[i, broke[i]] = np.float32(others.astype(np.float64).mean())
     return out.reshape(-1)
 
 

@@ -819,8 +819,8 @@ def test_on_full_disk_continue_trains_on_without_that_checkpoint(
 
 def test_a_crashed_browser_is_not_the_policys_failure(tiny_model_dir, tmp_path, monkeypatch):
     """A completion whose episode the machinery broke (`failure: browser`) enters the
-    advantages at its group's mean of the others: advantage 0, the others' centring
-    unchanged. The step's reward metrics still count it as scored (0)."""
+    advantages at its group's mean of the others: advantage exactly 0, the others'
+    centring unchanged. The step's reward metrics still count it as scored (0)."""
     recipe = _toy_with(
         tmp_path / "flaky",
         "flaky.py",
@@ -836,6 +836,14 @@ def test_a_crashed_browser_is_not_the_policys_failure(tiny_model_dir, tmp_path, 
         return real(rewards, g, scale)
 
     monkeypatch.setattr(trainer_mod, "group_advantages", spy)
+    taught = []
+    build = trainer_mod.build_loss_inputs
+
+    def spy_build(rollout, advantages, *args, **kw):
+        taught.append(np.array(advantages))
+        return build(rollout, advantages, *args, **kw)
+
+    monkeypatch.setattr(trainer_mod, "build_loss_inputs", spy_build)
     args = _args(tiny_model_dir, tmp_path, "r", "--train.steps=1", "--train.sample_every=1")
     args[1] = str(recipe)
     args += ["--recipe.rewards.flaky=flaky.py:flaky", "--recipe.weights.flaky=1.0"]
@@ -845,6 +853,7 @@ def test_a_crashed_browser_is_not_the_policys_failure(tiny_model_dir, tmp_path, 
     expected = groups.copy()
     expected[:, 1] = groups[:, [0, 2, 3]].mean(axis=1)
     np.testing.assert_allclose(seen[0].reshape(-1, 4), expected, rtol=4 * 2.0**-24)
+    assert taught and (taught[0].reshape(-1, 4)[:, 1] == 0).all()  # exactly
     (metrics,) = _metrics(tmp_path / "r")
     assert metrics["fail/browser"] == len(groups)
     assert metrics["reward/mean"] == pytest.approx(float(scored.mean()), rel=1e-6)
