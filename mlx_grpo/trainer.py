@@ -799,8 +799,8 @@ def without_infrastructure_failures(
     out = rewards.astype(np.float32).reshape(-1, group_size)
     broke = broke.reshape(-1, group_size)
     for i in np.flatnonzero(broke.any(axis=1)):
-        others = out[i, ~broke[i]] if not broke[i].all() else out[i, :1] * 0
-        out[i, broke[i]] = np.float32(others.astype(np.float64).mean())
+        others = out[i, ~broke[i]].astype(np.float64)
+        out[i, broke[i]] = np.float32(others.mean()) if others.size else 0.0
     return out.reshape(-1)
 
 
