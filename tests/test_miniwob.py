@@ -214,9 +214,9 @@ def test_the_scripts_still_solve_every_suite_type():
     failed = []
     for t in types:
         for seed in SUITE_SEEDS[:2]:
-            ok, steps, raw = play(t, seed)
-            if not ok and seed not in suite[t].get("failed_seeds", []):
-                failed.append((t, seed, raw))
+            run = play(t, seed)
+            if not run.success and seed not in suite[t].get("failed_seeds", []):
+                failed.append((t, seed, run))
     assert not failed
 
 
@@ -312,6 +312,61 @@ def test_a_crashed_browser_costs_its_episode_and_is_restarted():
     assert again.reset().startswith("Goal: Enter")
     assert again.window.browser is not victim
     again.close()
+
+
+def test_the_suite_plays_again_what_the_browser_ended_and_saves_each_type(
+    monkeypatch, tmp_path, capsys
+):
+    """A browser that fails (at the start too) is not the script's failure: the seed is
+    played again and the record counts the script's episodes only; a browser that keeps
+    failing stops the command with one line, the types measured before it saved."""
+    from recipes.miniwob import suite
+
+    def no_start(self):
+        self.window = object.__new__(browser.Window)  # (taken, so close must give it back)
+        raise browser.BrowserError("gone")
+
+    given_back = []
+    monkeypatch.setattr(MiniWoBEnv, "_start", no_start)
+    monkeypatch.setattr(browser.Window, "release", lambda w: given_back.append(w))
+    assert suite.play("click-test", SEED) == (False, 0, None, "browser")
+    assert len(given_back) == 2  # reset's own second try, then play's
+
+    calls = []
+
+    def flaky(task, seed):  # the browser fails on each seed's first episode
+        calls.append(seed)
+        if calls.count(seed) == 1:
+            return suite.Played(False, 1, None, "browser")
+        return suite.Played(seed % 2 == 0, 2, 1.0 if seed % 2 == 0 else -1.0, None)
+
+    record = suite.measure("click-test", range(10, 14), play=flaky)
+    assert calls == [10, 10, 11, 11, 12, 12, 13, 13]
+    assert record == {
+        "success": 2,
+        "seeds": 4,
+        "failed_seeds": [11, 13],
+        "steps": 2,
+        "max_steps": 2,
+        "browser_retries": 4,
+    }
+    dead = lambda task, seed: suite.Played(False, 0, None, "browser")  # noqa: E731
+    with pytest.raises(RuntimeError, match="click-test seed 10: the browser failed 3 times"):
+        suite.measure("click-test", range(10, 12), play=dead)
+
+    monkeypatch.setattr(suite, "SUITE_FILE", tmp_path / "suite.json")
+    measure, won = suite.measure, {"success": 1, "seeds": 1, "steps": 1}
+    monkeypatch.setattr(
+        suite,
+        "measure",
+        lambda task, seeds: measure(task, seeds, play=dead) if task == "click-tab" else won,
+    )
+    with pytest.raises(SystemExit, match="^suite: click-tab seed 2000000: the browser failed"):
+        suite.main(["--types", "click-test,click-tab,click-link", "--seeds", "1"])
+    assert suite.load_suite() == {"click-test": won}
+    with pytest.raises(SystemExit) as e:
+        suite.main(["--types", "click-test,click-nowhere"])
+    assert e.value.code == 2 and "--types: no script for click-nowhere" in capsys.readouterr().err
 
 
 def test_a_hung_page_costs_its_episode_within_the_command_timeout(monkeypatch):
@@ -469,8 +524,8 @@ def test_guidance_plays_the_script_through_the_agents_turns(tiny):
         prompt = encode_prompt(tok, recipe.first_messages(task, env), cfg.rollout.max_prompt_tokens)
         env.close()
         demo = demonstration(recipe, tok, task, 0, prompt, cfg.rollout)
-        ok, steps, _ = play(task.payload["task"], task.payload["seed"], task.payload["max_steps"])
-        assert ok and demo.episode.done and demo.episode.turns == steps, task.id
+        run = play(task.payload["task"], task.payload["seed"], task.payload["max_steps"])
+        assert run.success and demo.episode.done and demo.episode.turns == run.steps, task.id
         assert recipe.score(task, demo.episode).components["success"] == 1.0
         assert sum(demo.loss_mask) == sum(
             len(tok.encode(a, add_special_tokens=False)) + 1 for a in demo.episode.actions

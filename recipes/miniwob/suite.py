@@ -11,9 +11,11 @@ they can still be evaluated by name.
     python -m recipes.miniwob.suite [--seeds 40] [--types a,b]   # measure, write suite.json
 
 suite.json records, per scripted type: successes / seeds, the seeds it failed, the
-script's most frequent
-number of steps (the `shortest` of the efficiency reward) and its most steps in a
-success (the episode's step limit, plus slack).
+script's most frequent number of steps (the `shortest` of the efficiency reward) and its
+most steps in a success (the episode's step limit, plus slack). It is rewritten after
+each type, so a stopped command keeps the types it measured. An episode that the browser
+ended (a crash, a hang) is played again and counted in `browser_retries`, not as a
+failure of the script.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+from mlx_grpo.durable import write_atomic
 
 SUITE_FILE = Path(__file__).with_name("suite.json")
 SUITE_SEEDS = range(2_000_000, 2_000_000 + 1000)  # train seeds < 1e6, held-out 1e6-2e6
@@ -459,26 +464,66 @@ def player(task: str) -> Callable[[object, str], str | None]:
     return reply
 
 
-def play(
-    task: str, seed: int, max_steps: int = 20, mode: str = "train"
-) -> tuple[bool, int, float | None]:
-    """Play one episode with the type's script: (success, steps, raw reward). A script
-    that finds nothing to do ends the episode as a failure."""
+class Played(NamedTuple):
+    success: bool
+    steps: int
+    raw_reward: float | None
+    failure: str | None  # "browser": the browser failed, not the script
+
+
+def play(task: str, seed: int, max_steps: int = 20, mode: str = "train") -> Played:
+    """Play one episode with the type's script. A script that finds nothing to do ends
+    the episode as a failure; a browser that fails (at the start too) ends it with
+    failure "browser"."""
+    from recipes.miniwob.browser import BrowserError, PageError
     from recipes.miniwob.page import MiniWoBEnv
 
-    env = MiniWoBEnv(task, seed, mode, max_steps)
-    observation, reply = env.reset(), player(task)
-    steps = 0
+    env, steps = MiniWoBEnv(task, seed, mode, max_steps), 0
     try:
+        observation, reply = env.reset(), player(task)
         while (action := reply(env, observation)) is not None:
             result = env.step(action)
             steps += 1
             if result.done:
                 break
             observation = result.observation
+    except BrowserError as e:
+        if isinstance(e, PageError):  # the page's own script: not the browser's fault
+            raise
+        env.failure = "browser"
     finally:
         env.close()
-    return env.outcome().success, steps, env.raw_reward
+    return Played(env.outcome().success, steps, env.raw_reward, env.failure)
+
+
+BROWSER_TRIES = 3
+
+
+def measure(task: str, seeds: range, play: Callable[[str, int], Played] = play) -> dict:
+    """The type's record over `seeds`. An episode the browser ended is played again (a
+    crashed browser says nothing of the script), up to BROWSER_TRIES times."""
+    runs, retries = [], 0
+    for seed in seeds:
+        for _ in range(BROWSER_TRIES):
+            run = play(task, seed)
+            if run.failure != "browser":
+                break
+            retries += 1
+        else:
+            raise RuntimeError(
+                f"{task} seed {seed}: the browser failed {BROWSER_TRIES} times in a row"
+            )
+        runs.append(run)
+    wins = [r.steps for r in runs if r.success]
+    most = max(wins) if wins else max(r.steps for r in runs)
+    return {
+        "success": len(wins),
+        "seeds": len(runs),
+        "failed_seeds": [s for s, r in zip(seeds, runs) if not r.success],
+        "steps": statistics.mode(wins) if wins else most,
+        "max_steps": most,
+        **({"browser_retries": retries} if retries else {}),
+    }
 
 
 def load_suite() -> dict[str, dict]:
@@ -496,24 +541,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--types", default=",".join(SCRIPTS))
     args = ap.parse_args(argv)
+    types = args.types.split(",")
+    if unknown := [t for t in types if t not in SCRIPTS]:
+        ap.error(f"--types: no script for {', '.join(unknown)} (scripted: {', '.join(SCRIPTS)})")
     out = load_suite()
-    for task in args.types.split(","):
-        seeds = SUITE_SEEDS[: args.seeds]
-        runs = [play(task, s) for s in seeds]
-        wins = [steps for ok, steps, _ in runs if ok]
-        out[task] = {
-            "success": len(wins),
-            "seeds": len(runs),
-            "failed_seeds": [s for s, (ok, _, _) in zip(seeds, runs) if not ok],
-            "steps": statistics.mode(wins) if wins else max(s for _, s, _ in runs),
-            "max_steps": max(wins) if wins else max(s for _, s, _ in runs),
-        }
-        verdict = "in" if len(wins) >= MEMBERSHIP * len(runs) else "out"
+    for task in types:
+        try:
+            out[task] = record = measure(task, SUITE_SEEDS[: args.seeds])
+        except RuntimeError as e:  # no browser, or one that keeps failing
+            raise SystemExit(f"suite: {e}") from None
+        verdict = "in" if record["success"] >= MEMBERSHIP * record["seeds"] else "out"
         print(
-            f"{task:28s} {len(wins):3d}/{len(runs)}  steps {out[task]['steps']}  {verdict}",
+            f"{task:28s} {record['success']:3d}/{record['seeds']}  steps {record['steps']}  "
+            f"{verdict}",
             flush=True,
         )
-    SUITE_FILE.write_text(json.dumps(dict(sorted(out.items())), indent=1) + "\n")
+        # each type as it is measured: a kill or a failing browser loses that type only
+        write_atomic(SUITE_FILE, json.dumps(dict(sorted(out.items())), indent=1) + "\n")
 
 
 if __name__ == "__main__":
