@@ -22,6 +22,10 @@ What is compared: per-task values, with the intervals and tests of `mlx_grpo.sta
   weighted reward reaching the recipe's best (`Recipe.max_reward`, every weighted
   component at 1).
 - Win / tie / loss: tasks where B's mean reward is above / equal to / below A's.
+- A difference is marked (green, red; `better` in the rows) when its interval leaves
+  out 0 and its p-value is below 0.05: the bootstrap alone is too narrow on few tasks.
+- A task where the machinery failed under a sample of either side (a crashed browser)
+  is left out of both sides' rows, and named (`eval.left_out`).
 
 Metric names are the ones the training log uses for held-out evaluation (`eval/reward`,
 `eval/<component>`, `eval/level_<L>/reward`), plus `eval/pass@k` and
@@ -52,7 +56,7 @@ from mlx_grpo import evalcache
 from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
 from mlx_grpo.durable import check_writable
 from mlx_grpo.evaluate import TaskResult
-from mlx_grpo.recipe import Recipe, Task, recipe_defaults, recipe_dir
+from mlx_grpo.recipe import INFRASTRUCTURE_FAILURES, Recipe, Task, recipe_defaults, recipe_dir
 from mlx_grpo.report import (
     compare_results,
     print_report,
@@ -261,6 +265,13 @@ def run_compare(argv: list[str], console=None) -> dict:
         raise CompareError(f"--out: cannot write in {out} ({e.strerror})") from None
     recipe = Recipe.from_config(cfg.recipe)
     tasks = recipe.tasks("eval", args.n_tasks or cfg.recipe.eval_size, args.seed)
+    ids = [t.id for t in tasks]
+    if twice := next((i for n, i in enumerate(ids) if i in ids[:n]), None):
+        raise CompareError(
+            f"recipe {recipe.name}: two eval tasks have the id {twice!r}, so they cannot be "
+            "paired (a task file's lines without an id are named by their messages: give "
+            "each line an id)"
+        )
     if not args.allow_tokenizer_mismatch:
         check_tokenizers(a, b, recipe, tasks, cfg.rollout.max_prompt_tokens)
 
@@ -300,6 +311,8 @@ def run_compare(argv: list[str], console=None) -> dict:
     k = args.pass_k if args.pass_k is not None else args.samples
     ks = [1] if k == 1 else [1, k]
     stats = StatsConfig(args.resamples, args.permutations, seed=args.seed)
+    failures = {s: _failures(results[s]) for s in "ab"}
+    results, left_out = _without_broken_tasks(results)
     report = compare_results(results["a"], results["b"], success, ks, stats, args.show)
 
     errors = {s: sum(r.errors for r in results[s]) for s in "ab"}
@@ -316,6 +329,19 @@ def run_compare(argv: list[str], console=None) -> dict:
         f"warning: the reward raised on {n} samples of {s.upper()} (scored 0)"
         for s, n in errors.items()
         if n
+    ]
+    if left_out:
+        header.append(
+            f"warning: {len(left_out)} of {len(tasks)} tasks left out of the comparison: "
+            f"{' or '.join(sorted(INFRASTRUCTURE_FAILURES))} failed under a sample of A or B "
+            f"(not the model's doing): {', '.join(left_out[:5])}" + ", ..." * (len(left_out) > 5)
+        )
+    header += [
+        f"note: {n} samples of {s.upper()} ended by {why} (scored 0; a limit of time can "
+        "depend on the machine's load at the moment)"
+        for s in "ab"
+        for why, n in sorted(failures[s].items())
+        if why in evalcache.TRANSIENT - INFRASTRUCTURE_FAILURES
     ]
     print_report(report, header, console)
 
@@ -340,6 +366,8 @@ def run_compare(argv: list[str], console=None) -> dict:
             "seconds": seconds,
             "cached": cached,  # side -> when its kept evaluation was made
             "reward_errors": errors,
+            "failures": failures,  # side -> {reason: samples}, left-out tasks included
+            "left_out": left_out,  # tasks an infrastructure failure took out of the rows
         },
         "rows": report.rows,
         "levels": report.levels,
@@ -368,6 +396,36 @@ def run_compare(argv: list[str], console=None) -> dict:
         raise CompareError(f"--out: writing in {out} failed ({e.strerror or e}){kept}") from None
     console.print(f"wrote {', '.join(map(str, written))}", highlight=False)
     return data
+
+
+def _failures(results: list[TaskResult]) -> dict[str, int]:
+    """Samples per named failure over a side's tasks."""
+    out: dict[str, int] = {}
+    for r in results:
+        for why, n in r.failures.items():
+            out[why] = out.get(why, 0) + n
+    return out
+
+
+def _without_broken_tasks(
+    results: dict[str, list[TaskResult]],
+) -> tuple[dict[str, list[TaskResult]], list[str]]:
+    """Both sides without the tasks where a sample of either failed by the machinery
+    (INFRASTRUCTURE_FAILURES: a crashed browser scores 0 and would count against the
+    side it happened to), and those tasks' ids."""
+    pairs = list(zip(results["a"], results["b"]))
+    broken = [
+        ra.id
+        for ra, rb in pairs
+        if INFRASTRUCTURE_FAILURES & (ra.failures.keys() | rb.failures.keys())
+    ]
+    if len(broken) == len(pairs):
+        raise CompareError(
+            f"{' or '.join(sorted(INFRASTRUCTURE_FAILURES))} failed on every one of the "
+            f"{len(pairs)} tasks: nothing left to compare"
+        )
+    kept = {s: [r for r in results[s] if r.id not in set(broken)] for s in "ab"}
+    return kept, broken
 
 
 def _adapter_bytes(side: Side) -> bytes | None:

@@ -70,8 +70,12 @@ def evaluate(
             r.errors += s.error is not None
             if s.failure:
                 r.failures[s.failure] = r.failures.get(s.failure, 0) + 1
-            for k, v in s.components.items():
-                r.components.setdefault(k, []).append(v)
+            for k in s.components.keys() - r.components.keys():  # 0 for the samples before
+                r.components[k] = [0.0] * (len(r.rewards) - 1)
+            for k, values in r.components.items():
+                # 0 where this sample lacks it (a reward that raised gives the weighted
+                # components only): a mean over the task's samples, as the reward's
+                values.append(s.components.get(k, 0.0))
         out.extend(results.values())
     return out
 

@@ -149,7 +149,10 @@ def read_compare(path: Path) -> Compare | None:
             f"{path}: expected a list of rows {{metric, a, b, diff, ci_low, ci_high}}"
         )
     if isinstance(data, dict):
-        return Compare(rows, data.get("model_a"), data.get("model_b"))
+        b = (data.get("sides") or {}).get("b") or {}
+        step = b.get("step") if isinstance(b, dict) else None
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        return Compare(rows, data.get("model_a"), data.get("model_b"), step)
     return Compare(rows)
 
 

@@ -23,6 +23,7 @@ class Compare:
     rows: list[dict]
     a: str | None = None
     b: str | None = None
+    b_step: int | None = None  # the training step of B's adapters, when B was a run
 
 
 class Run(Protocol):
@@ -60,15 +61,18 @@ def _fmt(v) -> str:
 def compare_table(rows: list[dict]) -> str:
     """Markdown table of compare rows."""
     out = [
-        "| metric | A | B | B - A | 95% CI of B - A |",
-        "| --- | --- | --- | --- | --- |",
+        "| metric | A | B | B - A | 95% CI of B - A | p | tasks |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         ci = "-"
         if r.get("ci_low") is not None and r.get("ci_high") is not None:
             ci = f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
+        p = r.get("p_value")
+        p = "<0.0001" if isinstance(p, float) and p < 1e-4 else _fmt(p)
         out.append(
-            f"| {r['metric']} | {_fmt(r['a'])} | {_fmt(r['b'])} | {_fmt(r.get('diff'))} | {ci} |"
+            f"| {r['metric']} | {_fmt(r['a'])} | {_fmt(r['b'])} | {_fmt(r.get('diff'))} | {ci} "
+            f"| {p} | {_fmt(r.get('n'))} |"
         )
     return "\n".join(out)
 
@@ -252,6 +256,12 @@ def model_card(
             names = ""
             if run.compare.a and run.compare.b:
                 names = f" A is `{run.compare.a}`, B is `{run.compare.b}`."
+            then = run.compare.b_step
+            if then is not None and run.step is not None and then != run.step:
+                names += (
+                    f" B's adapters were those of step {then}; these are from step "
+                    f"{run.step} and were not compared."
+                )
             parts += [
                 "## Before / after\n",
                 "From the run's `compare.json` (`python -m mlx_grpo.compare`), on the "

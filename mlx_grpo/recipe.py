@@ -65,6 +65,12 @@ class Task:
     payload: dict = field(default_factory=dict)
 
 
+# Failures of the machinery, not of the policy: a browser that crashed or hung under an
+# episode (the sandbox's limits, by contrast, are the program's own doing). Training gives
+# such a completion no advantage; compare leaves its task out.
+INFRASTRUCTURE_FAILURES = frozenset({"browser"})
+
+
 @dataclass
 class Scored:
     """The reward of one completion, with its components and any error raised."""

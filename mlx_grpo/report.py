@@ -148,7 +148,8 @@ def _num(v: float, signed: bool = False) -> str:
 
 
 def _p(p: float) -> str:
-    return "<0.0001" if p < 1e-4 else f"{p:.4f}" if p < 0.01 else f"{p:.3f}"
+    # four places below 0.1: 0.0496 and 0.0504 must not both read 0.050
+    return "<0.0001" if p < 1e-4 else f"{p:.4f}" if p < 0.1 else f"{p:.3f}"
 
 
 def _with_ci(v: float, lo: float, hi: float, signed: bool = False) -> str:
@@ -156,11 +157,7 @@ def _with_ci(v: float, lo: float, hi: float, signed: bool = False) -> str:
 
 
 def _diff_style(row: dict) -> str:
-    if row["ci_low"] > 0:
-        return "green"
-    if row["ci_high"] < 0:
-        return "red"
-    return ""
+    return {"b": "green", "a": "red"}.get(row["better"], "")
 
 
 def _short(text: str, width: int = 120) -> str:
@@ -269,10 +266,7 @@ def plot_levels(report: Report, path: Path, title: str) -> Path | None:
     ax.legend()
     diffs = np.array([r["diff"] for r in rows])
     err = np.array([diffs - [r["ci_low"] for r in rows], [r["ci_high"] for r in rows] - diffs])
-    colors = [
-        "tab:green" if r["ci_low"] > 0 else "tab:red" if r["ci_high"] < 0 else "tab:gray"
-        for r in rows
-    ]
+    colors = [{"b": "tab:green", "a": "tab:red"}.get(r["better"], "tab:gray") for r in rows]
     ax_d.axhline(0, color="black", lw=0.8)
     ax_d.errorbar(x, diffs, yerr=err, fmt="none", ecolor="black", capsize=4)
     ax_d.scatter(x, diffs, c=colors, zorder=3)

@@ -4,6 +4,8 @@ curriculum benchmark, the exported model card). Pure numpy; no model in sight.
 The unit is the task: a task's value is the mean over its k samples.
 - Each side's mean: a 95% percentile bootstrap over tasks (10,000 resamples, seeded).
 - B - A: a paired bootstrap; each resample draws the same tasks for both sides.
+- A difference is called significant (`better`) when its interval leaves out 0 and
+  the p-value is below 1 - level: the bootstrap alone is too narrow with few tasks.
 - p-value: two-sided paired sign-flip permutation test of the mean difference; exact
   over all 2^n sign patterns when n <= 16 tasks, else 20,000 random flips with the +1
   correction, p = (1 + hits) / (1 + R). The sign test (binomial on the tasks that are
@@ -115,17 +117,34 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def better(ci_low: float, ci_high: float, p: float, level: float = 0.95) -> str | None:
+    """The side a difference favours, "a" or "b", when both the paired interval leaves
+    out 0 and the permutation test rejects at 1 - level; else None. With few tasks the
+    percentile bootstrap is too narrow (all differences equal give a zero-width
+    interval, whatever n), so the interval alone would call chance significant.
+
+    >>> better(1.0, 1.0, 0.25), better(0.1, 0.7, 0.0021), better(-0.4, -0.1, 0.01)
+    (None, 'b', 'a')
+    """
+    if p >= 1 - level:
+        return None
+    return "b" if ci_low > 0 else "a" if ci_high < 0 else None
+
+
 def compare_values(metric: str, a, b, stats: StatsConfig = StatsConfig()) -> dict:
     """One summary row for per-task values of A and B (same tasks, same order): each
     side's mean with its interval, B - A with its paired interval, both p-values."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape or a.ndim != 1 or len(a) == 0:
         raise ValueError(f"{metric}: A and B need the same non-empty list of tasks")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError(f"{metric}: a task's value is not a finite number")
     d = b - a
     idx = bootstrap_indices(len(a), stats.resamples, stats.seed)
     a_lo, a_hi = percentile_interval(a[idx].mean(1), stats.level)
     b_lo, b_hi = percentile_interval(b[idx].mean(1), stats.level)
     lo, hi = percentile_interval(d[idx].mean(1), stats.level)
+    p = permutation_p(d, stats.permutations, stats.seed, stats.exact_max)
     return {
         "metric": metric,
         "n": len(a),
@@ -134,8 +153,9 @@ def compare_values(metric: str, a, b, stats: StatsConfig = StatsConfig()) -> dic
         "diff": float(d.mean()),
         "ci_low": lo,
         "ci_high": hi,
-        "p_value": permutation_p(d, stats.permutations, stats.seed, stats.exact_max),
+        "p_value": p,
         "p_sign": sign_test_p(d),
+        "better": better(lo, hi, p, stats.level),
         "a_low": a_lo,
         "a_high": a_hi,
         "b_low": b_lo,

@@ -54,7 +54,7 @@ from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled, adapters_set
 from mlx_grpo.procmem import descendants_bytes
-from mlx_grpo.recipe import Recipe, Scored, Task
+from mlx_grpo.recipe import INFRASTRUCTURE_FAILURES, Recipe, Scored, Task
 from mlx_grpo.rollout import Completion, Rollout, ill_formed_turns, keyed_samplers, rollout_tasks
 from mlx_grpo.runfolder import RunFolder
 from mlx_grpo.trackers import Trackers
@@ -772,11 +772,6 @@ def _start_reference(cfg: RunConfig, run: RunFolder, model, resume_from, dist: D
 
     dist.run_on_main(read)  # (raises on every rank)
     return dist.broadcast_arrays(held[0] if held else None)
-
-
-# Failures of the machinery, not of the policy: a browser that crashed or hung under an
-# episode (the sandbox's limits, by contrast, are the program's own doing).
-INFRASTRUCTURE_FAILURES = frozenset({"browser"})
 
 
 def without_infrastructure_failures(

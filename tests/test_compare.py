@@ -21,6 +21,7 @@ from mlx_grpo import sides
 from mlx_grpo import stats as stats_mod
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.evaluate import TaskResult
+from mlx_grpo.recipe import Task
 
 DATA = Path(__file__).parent / "data"
 TOY, TOY_ENV = DATA / "toy", DATA / "toy_env"
@@ -198,6 +199,53 @@ def test_small_cases():
         stats_mod.pass_at_k(4, 1, 5)
 
 
+def test_significance_needs_the_test_as_well_as_the_interval():
+    """Every task one better on 3 tasks: the bootstrap interval is [1, 1], but only 2 of
+    the 8 sign patterns are as extreme (p = 0.25): not significant, not coloured."""
+    row = stats_mod.compare_values("m", [0.0] * 3, [1.0] * 3)
+    assert (row["ci_low"], row["ci_high"], row["p_value"]) == (1.0, 1.0, 0.25)
+    assert row["better"] is None and report_mod._diff_style(row) == ""
+    # 4 of 10 tasks won, none lost: p = 2/16 by the exact test, not significant either.
+    row = stats_mod.compare_values("m", [0.0] * 10, [1.0] * 4 + [0.0] * 6)
+    assert row["ci_low"] > 0 and row["p_value"] == pytest.approx(0.125) and row["better"] is None
+    row = stats_mod.compare_values("m", [1.0] * 8, [0.0] * 8)  # p = 2/256
+    assert row["better"] == "a" and report_mod._diff_style(row) == "red"
+    row = stats_mod.compare_values("m", [0.0] * 20, [1.0] * 12 + [0.0] * 8)  # random flips
+    assert row["ci_low"] > 0 and row["p_value"] < 0.05 and row["better"] == "b"
+    assert report_mod._p(0.0496) == "0.0496" and report_mod._p(0.0504) == "0.0504"
+    with pytest.raises(ValueError, match="m: a task's value is not a finite number"):
+        stats_mod.compare_values("m", [0.1, 0.2, 0.3], [0.1, float("nan"), 0.2])
+
+
+def test_a_sample_whose_reward_raised_counts_0_in_every_component(monkeypatch):
+    """A reward that raises gives its sample the weighted components only; the others
+    still count it, as 0, in their task's mean (not a mean over the samples that scored)."""
+    from types import SimpleNamespace
+
+    from mlx_grpo import evaluate as ev
+    from mlx_grpo.config import RolloutConfig
+    from mlx_grpo.recipe import Scored
+
+    tasks = [Task("t0", 1, []), Task("t1", 1, [])]
+    done = [SimpleNamespace(prompt_index=i // 2, text="x", model_tokens=1) for i in range(4)]
+    scored = [
+        Scored(0.0, {"success": 0.0}, "ValueError: boom"),  # t0, first sample: raised
+        Scored(1.0, {"success": 1.0, "partial": 1.0}),
+        Scored(0.5, {"success": 0.0, "partial": 0.5}),
+        Scored(0.0, {"success": 0.0}, "ValueError: boom"),  # t1, last sample: raised
+    ]
+    recipe = SimpleNamespace(score_rollout=lambda tasks, rollout: scored)
+    monkeypatch.setattr(ev, "rollout_tasks", lambda *a, **k: SimpleNamespace(completions=done))
+    model = SimpleNamespace(eval=lambda: None)
+    r0, r1 = ev.evaluate(model, None, recipe, tasks, RolloutConfig(), samples=2)
+    assert r0.components == {"success": [0.0, 1.0], "partial": [0.0, 1.0]} and r0.errors == 1
+    assert r1.components == {"success": [0.0, 0.0], "partial": [0.5, 0.0]} and r1.errors == 1
+    values = report_mod.task_values(
+        [r0, r1], ["partial"], report_mod.SuccessRule("success", 1), [1]
+    )
+    assert values["eval/partial"].tolist() == [0.5, 0.25]
+
+
 def test_identical_sides_give_zero_difference():
     a = _results(A_LARGE)
     report = report_mod.compare_results(a, a, report_mod.SuccessRule("reward", 1.0), ks=[1])
@@ -370,6 +418,56 @@ def _refused(cases: dict[str, list[str]], capsys) -> None:
         err = capsys.readouterr().err
         assert e.value.code == 2, (want, err)
         assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (want, err)
+
+
+def test_a_task_the_browser_failed_on_is_left_out_and_time_limits_are_named(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """A crashed browser scores 0 for the side it happened to: its task leaves the rows on
+    both sides, named in the header and in compare.json; a time limit stays in (it can be
+    the program's own doing) with a note; repeated task ids cannot be paired."""
+
+    ids = []
+
+    def evaluate_side(side, recipe, tasks, *a):
+        ids[:] = [t.id for t in tasks]
+        out = []
+        for i, t in enumerate(tasks):
+            won = float(side.flag == "b")
+            failures = {"browser": 1} if (i, side.flag) == (0, "b") else {}
+            failures = {"timeout": 1} if (i, side.flag) == (1, "a") else failures
+            out.append(
+                TaskResult(t.id, t.level, [won], {"success": [won]}, ["x"], [1], 0, failures)
+            )
+        return out, 0.0
+
+    monkeypatch.setattr(cmp, "evaluate_side", evaluate_side)
+    m, argv = str(tiny_model_dir), ["--recipe", TOY, "--n-tasks", 5, "--no-cache"]
+    data, printed = _compare(capsys, "--a", m, "--b", m, *argv, "--out", tmp_path / "c")
+    first = ids[0]
+    assert data["eval"]["left_out"] == [first] and [t["id"] for t in data["tasks"]] == ids[1:]
+    assert data["eval"]["failures"] == {"a": {"timeout": 1}, "b": {"browser": 1}}
+    reward = data["rows"][0]
+    assert reward["metric"] == "eval/reward" and (reward["n"], reward["a"], reward["b"]) == (
+        4,
+        0,
+        1,
+    )
+    assert "warning: 1 of 5 tasks left out of the comparison: browser failed" in printed
+    assert "note: 1 samples of A ended by timeout" in printed
+    assert json.loads((tmp_path / "c" / "compare.json").read_text())["eval"]["left_out"] == [first]
+
+    def every_one_broken(side, recipe, tasks, *a):
+        bad = {"browser": 1}
+        return [TaskResult(t.id, t.level, [0.0], {}, ["x"], [1], 0, bad) for t in tasks], 0.0
+
+    monkeypatch.setattr(cmp, "evaluate_side", every_one_broken)
+    with pytest.raises(cmp.CompareError, match="browser failed on every one of the 5 tasks"):
+        _compare(capsys, "--a", m, "--b", m, *argv, "--out", tmp_path / "d")
+    twice = lambda self, split, n, seed: [Task("same", 1, [{"role": "user", "content": "x"}])] * 2  # noqa: E731
+    monkeypatch.setattr(cmp.Recipe, "tasks", twice)
+    with pytest.raises(cmp.CompareError, match="two eval tasks have the id 'same'"):
+        _compare(capsys, "--a", m, "--b", m, *argv, "--out", tmp_path / "e")
 
 
 def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):

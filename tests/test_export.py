@@ -59,6 +59,8 @@ COMPARE = {
             "diff": 0.26,
             "ci_low": 0.18,
             "ci_high": 0.34,
+            "p_value": 0.0012,
+            "n": 96,
         },
         {
             "metric": "reward/correct",
@@ -390,7 +392,9 @@ def test_card_has_recipe_steps_settings_and_the_compare_table(tiny_model_dir, tm
     assert card.startswith("---\nlibrary_name: peft\n")
     assert "`toy` recipe for 3 steps" in card
     assert "| LoRA rank r | 4 |" in card and "| LoRA scale (PEFT lora_alpha / r) | 2.5 |" in card
-    assert "| reward/mean | 0.21 | 0.47 | 0.26 | [0.18, 0.34] |" in card
+    assert "| reward/mean | 0.21 | 0.47 | 0.26 | [0.18, 0.34] | 0.0012 | 96 |" in card
+    assert "| reward/correct | 0.1 | 0.35 | 0.25 | [0.15, 0.33] | - | - |" in card
+    assert "were not compared" not in card
     assert "## Before / after" in card and "A is `base`, B is `trained`" in card
     assert 'PeftModel.from_pretrained(base, "me/toy-grpo")' in card
     assert "Quantized base" not in card
@@ -398,6 +402,11 @@ def test_card_has_recipe_steps_settings_and_the_compare_table(tiny_model_dir, tm
         "| supervised warm start | none |" in card and "| KL coefficient beta (k3) | 0.04 |" in card
     )
     assert "| KL reference | the base model (adapters off) |" in card
+    # A compare of an earlier step of the run (it trained on after the compare) says so.
+    stale = {**COMPARE, "sides": {"b": {"step": 1}}}
+    (tmp_path / "run" / "compare.json").write_text(json.dumps(stale))
+    card = model_card("peft", str(tiny_model_dir), False, read_run(tmp_path / "run"))
+    assert "B's adapters were those of step 1; these are from step 3 and were not compared" in card
     # A run with a warm start and an adaptive beta says so.
     cfg_file = tmp_path / "run" / "config.json"
     cfg = json.loads(cfg_file.read_text())
