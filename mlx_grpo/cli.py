@@ -328,7 +328,7 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 def cmd_export(argv: list[str]) -> int:
-    from mlx_grpo.export import DTYPES, FORMATS, ExportError, export, push_to_hub
+    from mlx_grpo.export import DTYPES, FORMATS, ExportError, check_hub, export, push_to_hub
 
     p = _Parser(
         prog="python -m mlx_grpo export",
@@ -358,10 +358,16 @@ def cmd_export(argv: list[str]) -> int:
         "quantized, local or the embedded default",
     )
     p.add_argument("--push-to-hub", metavar="REPO", default=None, help="upload to this Hub repo")
-    p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    p.add_argument(
+        "--private",
+        action="store_true",
+        help="create the Hub repo private (and refuse to upload into one that is public)",
+    )
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
     args = p.parse_args(argv)
     try:
+        if args.push_to_hub:  # before the export, which can take minutes
+            check_hub(args.push_to_hub)
         done = export(
             args.source,
             args.format,
@@ -378,12 +384,17 @@ def cmd_export(argv: list[str]) -> int:
     if args.push_to_hub:
         print(f"uploading {done.upload} to {args.push_to_hub} ...")
         try:
-            url = push_to_hub(done.upload, args.push_to_hub, private=args.private)
+            urls = push_to_hub(done.upload, args.push_to_hub, private=args.private)
+        except ExportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except Exception as e:  # network, auth, hub errors: one line, the export stays
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: --push-to-hub {args.push_to_hub}: {first}", file=sys.stderr)
+            said = getattr(e, "server_message", None)  # the Hub's own reason
+            said = f" ({said.strip().splitlines()[0]})" if said and said.strip() else ""
+            print(f"error: --push-to-hub {args.push_to_hub}: {first}{said}", file=sys.stderr)
             return 2
-        print(f"pushed: {url}")
+        print(f"pushed: {', '.join(urls)}")
     return 0
 
 

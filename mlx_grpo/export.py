@@ -190,6 +190,9 @@ def read_run(path: Path, adapters: bool = True) -> Run:
             raise ExportError(
                 f"{path / 'adapter_config.json'}: lora_parameters needs rank and scale"
             )
+        layers = adapter_cfg.get("num_layers")
+        if not isinstance(layers, int) or isinstance(layers, bool):
+            raise ExportError(f"{path / 'adapter_config.json'}: num_layers must be an integer")
         try:
             weights = load_arrays(file)
         except CheckpointError as e:
@@ -258,9 +261,10 @@ def load_base(name: str) -> Base:
 def fuse(base: Base, run: Run) -> Base:
     """Fuse the run's adapters into the (float32, dequantized) base with mlx_lm's
     `load_adapters` and `LoRALinear.fuse`; the base is modified in place."""
-    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    load_adapters(base.model, str(run.path))  # loads with strict=False: check ourselves
+    # The adapters read_run read (the files of a run that trains on can change since).
+    linear_to_lora_layers(base.model, run.adapter_config["num_layers"], run.lora)
     params = dict(tree_flatten(base.model.parameters()))
     bad = [k for k, v in run.adapters.items() if k not in params or params[k].shape != v.shape]
     if bad:
@@ -268,6 +272,7 @@ def fuse(base: Base, run: Run) -> Base:
             f"{run.path / 'adapters.safetensors'}: {len(bad)} tensors do not fit "
             f"{base.name} (first: {bad[0]})"
         )
+    base.model.load_weights(list(run.adapters.items()), strict=False)
     fused = [
         (n, m.fuse(dequantize=True)) for n, m in base.model.named_modules() if hasattr(m, "fuse")
     ]
@@ -288,6 +293,11 @@ def lora_modules(adapters: dict[str, mx.array]) -> dict[str, tuple[mx.array, mx.
             raise ExportError(
                 f"adapters.safetensors: {key} {tuple(value.shape)} is not a LoRALinear "
                 "factor (only linear LoRA layers can be exported)"
+            )
+        if module.rpartition(".")[2] == "embed_tokens":  # PEFT's is another layout
+            raise ExportError(
+                f"adapters.safetensors: {key}: LoRA on the embeddings cannot be exported "
+                "(only linear LoRA layers can; mlx_lm's also changes a tied output head)"
             )
         pairs.setdefault(module, {})[leaf] = value
     out = {}
@@ -370,13 +380,16 @@ def ships_base(name: str, quantized: bool) -> bool:
 # ------------------------------------------------------------------------ HF / MLX save
 
 
-def hf_config(config: dict, dtype: str) -> dict:
-    """The model's config.json as transformers reads it, without MLX-only fields."""
+def hf_config(config: dict, dtype: str, tied: bool) -> dict:
+    """The model's config.json as transformers reads it, without MLX-only fields.
+    `tied`: the weights have no lm_head (mlx_lm ties by default, transformers does not:
+    a config that does not say so would get a random output head there)."""
     drop = ("quantization", "quantization_config", "rope_traditional", "_name_or_path")
     if config.get("rope_traditional"):
         raise ExportError("config.json: rope_traditional=true has no transformers equivalent")
     cfg = {k: v for k, v in config.items() if k not in drop}
     cfg["architectures"] = [HF_ARCHITECTURES[cfg["model_type"]]]
+    cfg["tie_word_embeddings"] = tied
     cfg["torch_dtype"] = dtype  # transformers < 4.56 reads this name
     cfg["dtype"] = dtype
     return dict(sorted(cfg.items()))
@@ -408,7 +421,9 @@ def save_hf(base: Base, out: Path, dtype: str) -> None:
             "weight_map": dict(sorted(weight_map.items())),
         }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(base.config, dtype), indent=2) + "\n")
+    (out / "config.json").write_text(
+        json.dumps(hf_config(base.config, dtype, "lm_head.weight" not in weights), indent=2) + "\n"
+    )
     _side_files(base, out)
 
 
@@ -447,11 +462,20 @@ def _model_config(name: str) -> dict | None:
 def _write_peft(run: Run, tmp: Path, out: Path, base_model: str | None, dtype: str, repo_id):
     """The PEFT export into `tmp`, which becomes `out` (base/ is named by its final path)."""
     name = run.config.model.path
-    cfg = _model_config(name) or {}
+    cfg = _model_config(name)
+    if cfg is None and base_model is None:  # quantized or not decides what is shipped
+        raise ExportError(
+            f"model.path: {name}'s config.json is not on this machine (a Hub model is "
+            "read from the local cache): give --base-model to name the base"
+        )
+    cfg = cfg or {}
     quantized = "quantization" in cfg or "quantization_config" in cfg
     base = load_base(name) if base_model is None and ships_base(name, quantized) else None
     num_layers = base.config["num_hidden_layers"] if base else cfg.get("num_hidden_layers")
-    base_ref = str((out / "base").resolve()) if base else (base_model or name)
+    if base is None:
+        base_ref = base_model or name
+    else:  # base/ here; pushed, it goes to a repo of its own that PEFT can name
+        base_ref = base_repo(repo_id) if repo_id else str((out / "base").resolve())
     weights = peft_weights(run.adapters)
     if dtype != "auto":  # auto: the adapter's own dtype
         weights = {k: v.astype(DTYPES[dtype]) for k, v in weights.items()}
@@ -466,9 +490,8 @@ def _write_peft(run: Run, tmp: Path, out: Path, base_model: str | None, dtype: s
         card = model_card("base", name, base.quantized, dtype=base_dtype)
         (tmp / "base" / "README.md").write_text(card)
         files.append("base/")
-    card = model_card(
-        "peft", name, quantized, run, repo_id=repo_id, base_ref=None if base else base_ref
-    )
+    card_base = None if base and not repo_id else base_ref  # None: base/ beside it
+    card = model_card("peft", name, quantized, run, repo_id=repo_id, base_ref=card_base)
     (tmp / "README.md").write_text(card)
     return files
 
@@ -486,7 +509,9 @@ def export(
     """Export a run (for fmt='base' also a model name) into `out`; see the module doc.
 
     `dtype` 'auto' is float32 for model weights and the adapter's own dtype for PEFT.
-    `repo_id` only goes into the cards' usage lines. The folder is built under a
+    `repo_id` goes into the cards' usage lines, and a PEFT export's shipped base is
+    then named by its Hub repo (`base_repo`) rather than its local path. The folder is
+    built under a
     temporary name beside `out` and renamed into place when complete.
     """
     if fmt not in FORMATS:
@@ -538,11 +563,7 @@ def export(
             (tmp / "README.md").write_text(card)
             files, upload = sorted(p.name for p in tmp.iterdir()), out
         tmp.chmod(0o755)  # mkdtemp makes it 0700
-        if out.is_dir():
-            shutil.rmtree(out)
-        elif out.exists():
-            out.unlink()
-        os.rename(tmp, out)
+        _replace(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if write_failed(e):  # a full disk, a failing drive
@@ -554,22 +575,85 @@ def export(
     return Exported(out=out, upload=upload, files=files)
 
 
+def _replace(new: Path, out: Path) -> None:
+    """Put the finished folder `new` at `out`. An old export there is renamed aside
+    first and removed after, so that no kill leaves a part of either at `out`: it holds
+    the old export or the new one, whole, or (a kill between the two renames) nothing,
+    the old one then whole in `.{name}-old-*/` beside it. Deleting it in place could
+    leave a folder that looks complete with files missing."""
+    if not out.exists() and not out.is_symlink():
+        os.rename(new, out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent)) / out.name
+    os.rename(out, aside)
+    os.rename(new, out)
+    shutil.rmtree(aside.parent, ignore_errors=True)
+
+
 # -------------------------------------------------------------------------------- Hub
 
 
-def push_to_hub(folder: Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
-    """Create the model repo `repo_id` if needed and upload `folder` to it; returns its URL.
+def base_repo(repo_id: str) -> str:
+    """The Hub repo a PEFT export's shipped base goes to: the adapter's repo cannot hold
+    it where `base_model_name_or_path` (AutoPeftModel) would find it."""
+    return f"{repo_id}-base"
 
-    The token is `token`, else huggingface_hub's usual places (HF_TOKEN, `hf auth login`).
+
+def check_hub(repo_id: str, token: str | None = None) -> None:
+    """Refuse, before any export, a repo id the Hub would refuse or a missing token."""
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+        validate_repo_id(base_repo(repo_id))
+    except HFValidationError as e:
+        raise ExportError(f"--push-to-hub {repo_id}: {str(e).splitlines()[0]}") from None
+    if (token or get_token()) is None:
+        raise ExportError(
+            f"--push-to-hub {repo_id}: no Hugging Face token (set HF_TOKEN or run `hf auth login`)"
+        )
+
+
+def push_to_hub(
+    folder: Path, repo_id: str, private: bool = False, token: str | None = None
+) -> list[str]:
+    """Upload `folder` to the model repo `repo_id` (created if needed), and a PEFT
+    export's shipped `base/` to its own repo (`base_repo`); returns the repos' URLs.
+
+    Each repo ends holding exactly the files uploaded (older ones are deleted, so that a
+    second push does not mix two exports). `private` creates the repos private and
+    refuses, before anything is uploaded, a repo that exists and is public; without it a
+    new repo gets the account's default. The token is `token`, else huggingface_hub's
+    usual places (HF_TOKEN, `hf auth login`).
     """
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
-    url = api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
-    api.upload_folder(
-        folder_path=str(folder),
-        repo_id=repo_id,
-        repo_type="model",
-        commit_message="Upload an mlx-grpo export",
-    )
-    return str(url)
+    repos = [(folder, repo_id)]
+    if (folder / "base").is_dir():
+        repos.insert(0, (folder / "base", base_repo(repo_id)))
+    urls = []
+    for _, rid in repos:
+        urls.append(
+            str(
+                api.create_repo(
+                    repo_id=rid, repo_type="model", private=private or None, exist_ok=True
+                )
+            )
+        )
+        if private and not api.repo_info(repo_id=rid, repo_type="model").private:
+            raise ExportError(
+                f"--push-to-hub {repo_id}: {rid} exists and is public; --private uploads "
+                "nothing into it"
+            )
+    for path, rid in repos:
+        api.upload_folder(
+            folder_path=str(path),
+            repo_id=rid,
+            repo_type="model",
+            commit_message="Upload an mlx-grpo export",
+            ignore_patterns=["base/*"] if path == folder else None,
+            delete_patterns="*",
+        )
+    return urls

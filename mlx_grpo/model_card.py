@@ -148,11 +148,13 @@ def _origin(name: str, quantized: bool) -> str:
     )
 
 
-def _caveat(kind: str, name: str, quantized: bool) -> str:
+def _caveat(kind: str, name: str, quantized: bool, dtype: str = "float32") -> str:
     """The quantized-base caveat: an adapter trained on quantized weights belongs with
     those weights (dequantized), not with the original full-precision model."""
     if not quantized:
         return ""
+    # Every quantized value is exact in float32; 16-bit floats round many of them.
+    exactly = "exactly (no re-rounding)" if dtype == "float32" else f"and rounded to {dtype}"
     what = "the Q4_1 GGUF weights" if name == "default" else "the quantized weights"
     origin = f"{what} of `{hub_id(name) or name}`"
     why = (
@@ -163,13 +165,14 @@ def _caveat(kind: str, name: str, quantized: bool) -> str:
         "peft": f"Training ran on {origin}. Load this adapter onto those weights, "
         "dequantized (shipped here in `base/` unless the card names another base), not "
         f"onto the original full-precision model: {why}",
-        "base": f"These are {origin}, dequantized exactly (no re-rounding): the base that a "
+        "base": f"These are {origin}, dequantized {exactly}: the base that a "
         "PEFT adapter trained on the quantized model by mlx-grpo loads onto. They are "
         "not the original full-precision weights; an adapter trained on those quantized "
         f"weights should be used with these, not with the original model: {why}",
     }.get(
         kind,
-        f"The fused weights are {origin}, dequantized exactly, plus the trained adapter; "
+        f"The fused weights are {origin}, dequantized {exactly.split(' (')[0]}, plus the "
+        "trained adapter; "
         "they are not the original full-precision model plus the adapter. Re-quantizing "
         "them adds a new rounding error.",
     )
@@ -243,7 +246,7 @@ def model_card(
         "\n".join(front),
         f"# {title}\n",
         f"{what}, exported by mlx-grpo from {source}. Base: {_origin(base_name, quantized)}.{weights}\n",
-        _caveat(kind, base_name, quantized),
+        _caveat(kind, base_name, quantized, dtype),
     ]
     if run is not None:
         parts += [

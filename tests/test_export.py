@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 # isort: off
 import mlx_grpo  # noqa: F401  (first: loads OpenBLAS before mlx)
@@ -37,6 +38,7 @@ from mlx_grpo.config import LoRAConfig, RunConfig
 from mlx_grpo.export import (
     ExportError,
     export,
+    lora_modules,
     peft_weights,
     push_to_hub,
     read_run,
@@ -353,8 +355,13 @@ def test_base_export_of_a_model_folder(tiny_model_dir, quantized_model_dir, tmp_
     weights = mx.load(str(done.out / "model.safetensors"))
     assert {v.dtype for v in weights.values()} == {mx.bfloat16}
     assert not any(k.endswith((".scales", ".biases")) for k in weights)
-    assert json.loads((done.out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    assert "Quantized base" in (done.out / "README.md").read_text()
+    config = json.loads((done.out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    # said whatever the base's config says: transformers does not tie by default
+    assert config["tie_word_embeddings"] == ("lm_head.weight" not in weights)
+    card = (done.out / "README.md").read_text()
+    assert "Quantized base" in card and "dequantized and rounded to bfloat16" in card
+    assert "exactly" not in card
     run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
     from_run = export(run, "base", tmp_path / "from-run")  # a run's base
     assert "Quantized base" not in (from_run.out / "README.md").read_text()
@@ -373,6 +380,14 @@ def test_peft_weights_are_transposed_factors():
     key = "base_model.model.model.layers.0.mlp.up_proj"
     assert w[f"{key}.lora_A.weight"].shape == (2, 6) and w[f"{key}.lora_B.weight"].shape == (5, 2)
     assert mx.array_equal(w[f"{key}.lora_A.weight"], a.T)
+
+
+def test_lora_on_the_embeddings_is_refused():
+    """mlx_lm's LoRAEmbedding has (vocab, r) and (r, dims) factors, which PEFT keeps as
+    lora_embedding_A/B; written as a linear layer's, PEFT would drop them with a warning."""
+    a, b = mx.zeros((40, 4)), mx.zeros((4, 16))
+    with pytest.raises(ExportError, match="model.embed_tokens.lora_a: LoRA on the embeddings"):
+        peft_weights({"model.embed_tokens.lora_a": a, "model.embed_tokens.lora_b": b})
 
 
 def test_target_modules_fall_back_to_full_paths_when_the_short_form_is_not_exact():
@@ -542,6 +557,7 @@ def test_bad_adapter_configs_and_an_empty_base_name_are_one_line(tiny_model_dir,
     for text, said in [
         ("[1, 2]", "not a JSON object"),
         ('{"lora_parameters": 4}', "lora_parameters needs rank"),
+        ('{"lora_parameters": {"rank": 4, "scale": 1}}', "num_layers must be an integer"),
     ]:
         config.write_text(text)
         with pytest.raises(ExportError, match=re.escape(f"{config}: ") + said):
@@ -594,6 +610,62 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, tmp_path, mo
         export(tmp_path / "storywriter", "base", tmp_path / "out")
 
 
+def test_the_merge_uses_the_adapters_read_once(tiny_model_dir, tmp_path):
+    """A run that trains on can replace its adapters between the read and the merge:
+    the merge fuses the weights read (those the card's step and the checks are of)."""
+    from mlx_grpo.export import fuse, load_base, read_run
+
+    run_dir = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    run = read_run(run_dir)
+    (run_dir / "adapters.safetensors").unlink()
+    fused = dict(tree_flatten(fuse(load_base(str(tiny_model_dir)), run).model.parameters()))
+    plain = dict(tree_flatten(load_base(str(tiny_model_dir)).model.parameters()))
+    assert fused.keys() == plain.keys()  # the LoRA layers fused away
+    module, (a, b) = next(iter(lora_modules(run.adapters).items()))
+    scale, key = run.lora["scale"], f"{module}.weight"
+    expect = np.array(plain[key]) + scale * (np.array(a) @ np.array(b)).T
+    assert np.abs(np.array(fused[key]) - expect).max() < 1e-5
+
+
+def test_a_base_whose_config_is_not_here_needs_a_named_base(tiny_model_dir, tmp_path):
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"]["path"] = "someone/not-in-the-cache"
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="someone/not-in-the-cache's config.json is not on"):
+        export(run, "peft", tmp_path / "out")
+    assert export(run, "peft", tmp_path / "out", base_model="someone/base").out.exists()
+
+
+def test_a_replaced_export_is_never_partly_at_out(tiny_model_dir, tmp_path, monkeypatch):
+    """--force: the old export goes aside whole before the new one comes in; a failure
+    between the two renames leaves the old one whole beside `out`, not half deleted."""
+    import os
+
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    out = export(run, "peft", tmp_path / "out", base_model="x/y").out
+    (out / "mine.txt").write_text("old")
+    renames = []
+
+    def second_fails(src, dst):
+        renames.append(dst)
+        if len(renames) == 2:
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    real_rename = os.rename
+    monkeypatch.setattr(os, "rename", second_fails)
+    with pytest.raises(ExportError, match="Input/output error"):
+        export(run, "peft", out, base_model="x/y", force=True)
+    monkeypatch.undo()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".out-old-")]
+    assert not out.exists() and len(aside) == 1
+    assert (aside[0] / "out" / "mine.txt").read_text() == "old"
+    assert (aside[0] / "out" / "adapter_model.safetensors").exists()
+    export(run, "peft", out, base_model="x/y", force=True)
+    assert not (out / "mine.txt").exists() and (out / "adapter_model.safetensors").exists()
+
+
 def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):
     run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
     (tmp_path / "out").mkdir()
@@ -605,38 +677,112 @@ def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out-tmp-")]
 
 
+class FakeHub:
+    """HfApi's create_repo / repo_info / upload_folder, recorded; `public` repos exist."""
+
+    def __init__(self, monkeypatch, public=()):
+        from huggingface_hub import HfApi
+
+        self.calls, self.public = [], set(public)
+        hub = self
+
+        def create_repo(self, **kw):
+            hub.calls.append(("create_repo", kw))
+            return f"https://huggingface.co/{kw['repo_id']}"
+
+        def repo_info(self, repo_id, repo_type):
+            return SimpleNamespace(private=repo_id not in hub.public)
+
+        def upload_folder(self, **kw):
+            files = sorted(p.name for p in Path(kw["folder_path"]).iterdir())
+            hub.calls.append(("upload_folder", kw, files))
+
+        monkeypatch.setattr(HfApi, "create_repo", create_repo)
+        monkeypatch.setattr(HfApi, "repo_info", repo_info)
+        monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+        monkeypatch.setenv("HF_TOKEN", "hf_test")
+
+
 def test_push_to_hub_uploads_the_export(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    from huggingface_hub import HfApi
-
-    calls = []
-
-    def create_repo(self, **kw):
-        calls.append(("create_repo", kw))
-        return f"https://huggingface.co/{kw['repo_id']}"
-
-    def upload_folder(self, **kw):
-        calls.append(
-            ("upload_folder", kw, sorted(p.name for p in Path(kw["folder_path"]).iterdir()))
-        )
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    hub = FakeHub(monkeypatch)
     run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
     out = tmp_path / "out"
     argv = ["export", str(run), "--format", "peft", "--out", str(out), "--base-model", "me/base"]
     with pytest.raises(SystemExit) as done:
         main([*argv, "--push-to-hub", "me/toy-adapter", "--private"])
     assert done.value.code == 0, capsys.readouterr().err
-    assert calls[0] == (
+    assert hub.calls[0] == (
         "create_repo",
         {"repo_id": "me/toy-adapter", "repo_type": "model", "private": True, "exist_ok": True},
     )
-    name, kw, files = calls[1]
+    name, kw, files = hub.calls[1]
     assert name == "upload_folder" and kw["repo_id"] == "me/toy-adapter"
     assert kw["folder_path"] == str(out) and kw["repo_type"] == "model"
+    assert kw["delete_patterns"] == "*"  # the repo ends holding this export only
     assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert 'PeftModel.from_pretrained(base, "me/toy-adapter")' in (out / "README.md").read_text()
     assert "pushed: https://huggingface.co/me/toy-adapter" in capsys.readouterr().out
+
+    # Without --private a new repo gets the account's default (an organisation's may be
+    # private): private=None, not False, which the Hub reads as "public".
+    hub.calls.clear()
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--push-to-hub", "me/toy-adapter", "--force"])
+    assert done.value.code == 0 and hub.calls[0][1]["private"] is None
+    # --private into a repo that exists and is public: refused before any upload.
+    hub.calls.clear()
+    hub.public.add("me/open")
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--push-to-hub", "me/open", "--private", "--force"])
+    assert done.value.code == 2 and [c[0] for c in hub.calls] == ["create_repo"]
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "error: --push-to-hub me/open: me/open exists and is public; --private uploads nothing into it\n"
+    )
+
+
+def test_a_pushed_peft_export_names_its_shipped_base_by_its_hub_repo(
+    quantized_model_dir, tmp_path, monkeypatch, capsys
+):
+    """A quantized base is shipped dequantized in base/; pushed, base/ goes to a repo of
+    its own, which adapter_config.json names (AutoPeftModel loads the base from there),
+    not the exporting machine's path."""
+    hub = FakeHub(monkeypatch)
+    run = make_run(tmp_path / "run", quantized_model_dir, LoRAConfig(rank=4), 0)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(run), "--format", "peft", "--out", str(out), "--push-to-hub", "me/a"])
+    assert done.value.code == 0, capsys.readouterr().err
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "me/a-base"
+    assert 'AutoModelForCausalLM.from_pretrained("me/a-base")' in (out / "README.md").read_text()
+    uploads = {c[1]["repo_id"]: c for c in hub.calls if c[0] == "upload_folder"}
+    assert [c[1]["repo_id"] for c in hub.calls if c[0] == "create_repo"] == ["me/a-base", "me/a"]
+    assert uploads["me/a-base"][1]["folder_path"] == str(out / "base")
+    assert "config.json" in uploads["me/a-base"][2] and "README.md" in uploads["me/a-base"][2]
+    assert uploads["me/a"][1]["ignore_patterns"] == ["base/*"]
+    assert "pushed: https://huggingface.co/me/a-base, https://huggingface.co/me/a" in (
+        capsys.readouterr().out
+    )
+
+
+def test_hub_problems_are_found_before_the_export(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    out = tmp_path / "out"
+    argv = ["export", str(run), "--format", "peft", "--out", str(out), "--base-model", "me/b"]
+    for repo, said in [
+        ("me/x", "no Hugging Face token (set HF_TOKEN or run `hf auth login`)"),
+        ("me/x y", "Repo id must"),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            main([*argv, "--push-to-hub", repo])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: --push-to-hub {repo}: ") and said in err, err
+        assert not out.exists()
 
 
 def test_push_failure_is_one_line(tmp_path, monkeypatch, capsys, tiny_model_dir):
@@ -659,6 +805,7 @@ def test_push_failure_is_one_line(tmp_path, monkeypatch, capsys, tiny_model_dir)
         "--base-model",
         "b",
     ]
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
     with pytest.raises(SystemExit) as done:
         main([*argv, "--push-to-hub", "me/x"])
     assert done.value.code == 2
