@@ -64,6 +64,7 @@ from mlx_grpo.report import (
     task_dict,
     write_outputs,
 )
+from mlx_grpo.runfolder import RunFolder
 from mlx_grpo.sides import CompareError, Side, check_tokenizers, load_side, resolve_side
 from mlx_grpo.stats import StatsConfig
 
@@ -429,8 +430,12 @@ def _without_broken_tasks(
 
 
 def _adapter_bytes(side: Side) -> bytes | None:
-    """The side's adapter weights as stored (a run's top-level copy equals its step's)."""
-    return None if side.weights is None else (side.weights / "adapters.safetensors").read_bytes()
+    """The side's adapters as stored, weights and config (its scale decides as much):
+    a run's top-level copy equals its step's."""
+    if side.weights is None:
+        return None
+    names = (RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG)
+    return b"".join((side.weights / n).read_bytes() for n in names)
 
 
 def main(argv: list[str] | None = None) -> None:

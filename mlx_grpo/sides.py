@@ -142,9 +142,10 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
 
 
 def _freeze(folder: Path, opt: str) -> Path:
-    """A copy of a run's (or step's) adapters and the file naming their step, removed at
-    exit: a run that trains on during the comparison replaces its own copy of the
-    adapters and prunes old steps; the side stays what it was when the command began."""
+    """A copy of a run's (or step's, or an adapter folder's) adapters and the file naming
+    their step, removed at exit: a run that trains on during the comparison replaces its
+    own copy of the adapters and prunes old steps; the side stays what it was when the
+    command began."""
     names = [RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG]
     names.append(RunFolder.STATE if step_of(folder.name) is not None else RunFolder.LATEST)
     copy = Path(tempfile.mkdtemp(prefix="mlx-grpo-side-")) / folder.name
@@ -152,7 +153,7 @@ def _freeze(folder: Path, opt: str) -> Path:
     try:
         copy.mkdir()
         for name in names:
-            if (folder / name).exists() or name != RunFolder.LATEST:
+            if (folder / name).exists() or name in names[:2]:  # the step's file if any
                 shutil.copyfile(folder / name, copy / name)
     except FileNotFoundError:
         raise CompareError(
@@ -171,6 +172,7 @@ def _with_adapter(side: Side, adapter: str | None) -> Side:
     if adapter is not None:
         side.adapter = Path(adapter).expanduser()
         _check_adapter(side.adapter, f"--{side.flag}-adapter")
+        side.frozen = _freeze(side.adapter, f"--{side.flag}-adapter")  # (it may be a run's)
     return side
 
 

@@ -526,7 +526,9 @@ def test_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
     assert proc.stderr.startswith("error: --b /nonexistent/run: no such run or model folder")
 
 
-def test_a_run_still_training_is_compared_as_it_was_when_the_command_started(toy_run, tmp_path):
+def test_a_run_still_training_is_compared_as_it_was_when_the_command_started(
+    toy_run, tiny_model_dir, tmp_path
+):
     """`--b RUN` while RUN trains on: side A's evaluation takes minutes, in which the run
     saves new steps, replaces its own copy of the adapters and prunes the step that was
     its latest. B is still that step: its label, its cache key and its weights."""
@@ -558,6 +560,28 @@ def test_a_run_still_training_is_compared_as_it_was_when_the_command_started(toy
     assert all(mx.array_equal(params[k], v).item() for k, v in saved.items())
     # A run named again now is the run as it is now.
     assert sides.resolve_side("b", str(run)).step == 3
+    # An adapter folder (--b-adapter) is taken as it is when the command starts too.
+    side = sides.resolve_side("b", str(tiny_model_dir), str(run))
+    key = evalcache.side_key(side, {"settings": 1})
+    mx.save_safetensors(str(run / "adapters.safetensors"), saved)
+    assert evalcache.side_key(side, {"settings": 1}) == key
+    params = dict(tree_flatten(sides.load_side(side)[0].parameters()))
+    assert all(mx.array_equal(params[k], v + 1).item() for k, v in saved.items())
+
+
+def test_the_same_weights_at_another_scale_are_another_model(toy_run, tiny_model_dir, tmp_path):
+    import shutil
+
+    other = tmp_path / "scaled"
+    shutil.copytree(toy_run / "step-000002", other)
+    cfg = json.loads((other / "adapter_config.json").read_text())
+    cfg["lora_parameters"]["scale"] *= 2
+    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    a = sides.resolve_side("a", str(tiny_model_dir), str(toy_run / "step-000002"))
+    b = sides.resolve_side("b", str(tiny_model_dir), str(other))
+    same = sides.resolve_side("b", str(toy_run))  # the run's copy of step 2
+    assert cmp._adapter_bytes(a) != cmp._adapter_bytes(b)
+    assert cmp._adapter_bytes(a) == cmp._adapter_bytes(same)
 
 
 def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
