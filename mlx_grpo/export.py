@@ -258,6 +258,54 @@ def load_base(name: str) -> Base:
     return Base(model, tokenizer, config, source, name, quantized)
 
 
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "USE_POLICY.md")
+
+
+@dataclass
+class License:
+    """The base model's license: its id (a Hub card's `license:`, a GGUF's
+    `general.license`) and the files that state it, which an export passes on."""
+
+    id: str | None = None
+    files: tuple[Path, ...] = ()
+
+    def copy_to(self, folder: Path) -> None:
+        for f in self.files:
+            shutil.copyfile(f, folder / f.name)
+
+
+def base_license(name: str) -> License:
+    """What this machine knows of model `name`'s license: 'default' (the GGUF's
+    metadata), a local folder or a Hub repo in the local cache (its README.md front
+    matter and license files); an empty License when nothing says."""
+    from mlx_grpo.models import resolve_model_path
+
+    try:
+        if name == "default":
+            from mlx_grpo.gguf import find_default_gguf
+
+            _, md = mx.load(str(find_default_gguf()), return_metadata=True)
+            said = md.get("general.license")
+            return License(said if isinstance(said, str) and said else None)
+        folder = Path(resolve_model_path(name)).expanduser()
+        if not folder.is_dir() and hub_id(name):
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # not on this machine, no package: nothing known
+        return License()
+    said = None
+    card = folder / "README.md"
+    if card.is_file():
+        head = card.read_text(errors="replace").split("\n---", 1)[0]
+        if head.startswith("---"):
+            said = next((m.group(1) for m in _LICENSE_LINE.finditer(head)), None)
+    return License(said, tuple(folder / n for n in LICENSE_FILES if (folder / n).is_file()))
+
+
+_LICENSE_LINE = re.compile(r"^license:\s*['\"]?([^'\"\s]+)", re.MULTILINE)
+
+
 def fuse(base: Base, run: Run) -> Base:
     """Fuse the run's adapters into the (float32, dequantized) base with mlx_lm's
     `load_adapters` and `LoRALinear.fuse`; the base is modified in place."""
@@ -484,16 +532,21 @@ def _write_peft(run: Run, tmp: Path, out: Path, base_model: str | None, dtype: s
     peft_cfg = peft_config(run, base_ref, num_layers)
     (tmp / "adapter_config.json").write_text(json.dumps(peft_cfg, indent=2) + "\n")
     files = ["adapter_config.json", "adapter_model.safetensors", "README.md"]
+    lic = base_license(name)
     if base is not None:
         base_dtype = "float32" if dtype == "auto" else dtype
         save_hf(base, tmp / "base", base_dtype)
-        card = model_card("base", name, base.quantized, dtype=base_dtype)
+        card = model_card("base", name, base.quantized, dtype=base_dtype, license=lic.id)
         (tmp / "base" / "README.md").write_text(card)
+        lic.copy_to(tmp / "base")
         files.append("base/")
     card_base = None if base and not repo_id else base_ref  # None: base/ beside it
-    card = model_card("peft", name, quantized, run, repo_id=repo_id, base_ref=card_base)
+    card = model_card(
+        "peft", name, quantized, run, repo_id=repo_id, base_ref=card_base, license=lic.id
+    )
     (tmp / "README.md").write_text(card)
-    return files
+    lic.copy_to(tmp)
+    return files + [f.name for f in lic.files]
 
 
 def export(
@@ -546,21 +599,27 @@ def export(
         if fmt == "peft":
             files, upload = _write_peft(run, tmp, out, base_model, dtype, repo_id), out
         elif fmt == "merged":
-            base = fuse(load_base(name), run)
+            base, lic = fuse(load_base(name), run), base_license(name)
             save_hf(base, tmp / "hf", model_dtype)
             card = model_card(
-                "merged", name, base.quantized, run, repo_id=repo_id, dtype=model_dtype
-            )
+                "merged", name, base.quantized, run, repo_id=repo_id, dtype=model_dtype,
+                license=lic.id,
+            )  # fmt: skip
             (tmp / "hf" / "README.md").write_text(card)
             save_mlx(base, tmp / "mlx", model_dtype)
-            card = model_card("mlx", name, base.quantized, run, dtype=model_dtype)
+            card = model_card("mlx", name, base.quantized, run, dtype=model_dtype, license=lic.id)
             (tmp / "mlx" / "README.md").write_text(card)
+            for folder in (tmp / "hf", tmp / "mlx"):
+                lic.copy_to(folder)
             files, upload = ["hf/", "mlx/"], out / "hf"
         else:
-            base = load_base(name)
+            base, lic = load_base(name), base_license(name)
             save_hf(base, tmp, model_dtype)
-            card = model_card("base", name, base.quantized, repo_id=repo_id, dtype=model_dtype)
+            card = model_card(
+                "base", name, base.quantized, repo_id=repo_id, dtype=model_dtype, license=lic.id
+            )
             (tmp / "README.md").write_text(card)
+            lic.copy_to(tmp)
             files, upload = sorted(p.name for p in tmp.iterdir()), out
         tmp.chmod(0o755)  # mkdtemp makes it 0700
         _replace(tmp, out)

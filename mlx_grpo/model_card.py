@@ -212,19 +212,23 @@ def model_card(
     repo_id: str | None = None,
     dtype: str = "float32",
     base_ref: str | None = None,
+    license: str | None = None,
 ) -> str:
     """README.md of an export. `kind`: peft, merged (transformers), mlx or base.
 
     Says what the export is, its base (with the quantized-base caveat), the recipe,
     steps and hyper-parameters of the run, the before/after table when the run folder
     has a compare.json, and how to load it. `base_ref`: for peft, the base to load
-    onto, None when it is shipped in base/.
+    onto, None when it is shipped in base/. `license`: the base model's (an export of
+    its weights, or of an adapter for it, goes under it), when known.
     """
     library = {"peft": "peft", "merged": "transformers", "mlx": "mlx", "base": "transformers"}[kind]
     tags = ["mlx-grpo", "grpo", "reinforcement-learning"] + (
         ["lora", "peft"] if kind == "peft" else []
     )
     front = ["---", f"library_name: {library}"]
+    if license:
+        front.append(f"license: {license}")
     if hub_id(base_name):
         front.append(f"base_model: {hub_id(base_name)}")
     front += ["pipeline_tag: text-generation", "tags:"] + [f"- {t}" for t in tags] + ["---", ""]

@@ -368,6 +368,38 @@ def test_base_export_of_a_model_folder(tiny_model_dir, quantized_model_dir, tmp_
     assert mx.load(str(from_run.out / "model.safetensors")).keys() == weights.keys()
 
 
+def test_the_base_models_license_goes_with_its_weights(tiny_model_dir, tmp_path):
+    """An export redistributes the base's weights (or an adapter for them): its card
+    names the base's license and its license files are copied along."""
+    from mlx_grpo.export import License, base_license
+
+    base = tmp_path / "licensed"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "README.md").write_text("---\nlicense: llama3.2\ntags:\n- x\n---\n# A model\n")
+    (base / "LICENSE").write_text("the terms")
+    (base / "USE_POLICY.md").write_text("the policy")
+    done = export(base, "base", tmp_path / "base-out")
+    assert "\nlicense: llama3.2\n" in (done.out / "README.md").read_text()
+    assert (done.out / "LICENSE").read_text() == "the terms" and (
+        done.out / "USE_POLICY.md"
+    ).exists()
+    run = make_run(tmp_path / "run", base, LoRAConfig(rank=4), 0)
+    done = export(run, "merged", tmp_path / "merged")
+    for part in ("hf", "mlx"):
+        assert (done.out / part / "LICENSE").exists()
+        assert "\nlicense: llama3.2\n" in (done.out / part / "README.md").read_text()
+    done = export(run, "peft", tmp_path / "peft")  # a local base: shipped in base/
+    assert {"LICENSE", "USE_POLICY.md"} <= set(done.files)
+    assert (done.out / "LICENSE").exists() and (done.out / "base" / "LICENSE").exists()
+    # Nothing known, nothing claimed.
+    assert base_license(str(tiny_model_dir)) == base_license("someone/not-cached") == License()
+    assert (
+        "license:"
+        not in (export(tiny_model_dir, "base", tmp_path / "b2").out / "README.md").read_text()
+    )
+    assert base_license("default").id == "apache-2.0"  # the GGUF's general.license
+
+
 # -------------------------------------------------------------------- formats, card
 
 
