@@ -202,6 +202,27 @@ def test_the_task_reward_decides_success():
     assert comps["success"] == 0.0 and comps["raw_reward"] == -1.0
 
 
+def test_a_partly_right_answer_is_not_a_success():
+    """click-checkboxes pays (right - wrong) / boxes: Submit with nothing ticked gets a
+    raw reward above 0 when fewer than half the boxes are targets. Only full credit is a
+    success; BrowserGym's rule (raw > 0) is logged beside it."""
+    task = make_tasks("eval", 1, 0, types=["click-checkboxes"])[0]
+    for seed in range(SEED, SEED + 40):
+        env = _env("click-checkboxes", seed)
+        env.reset()
+        submit = next(it for it in env.items if it["label"] == "Submit")
+        r = env.step(f'click "Submit" [{submit["id"]}]')
+        if r.done and 0 < env.raw_reward < 1:
+            break
+        env.close()
+    else:
+        pytest.fail("no seed of 40 where Submit alone is partly right")
+    assert not env.outcome().success and env.outcome().browsergym_success
+    comps = reward(task, Episode(env, ["x"], [r], True))
+    assert comps["success"] == 0.0 and comps["browsergym_success"] == 1.0
+    assert comps["efficiency"] == 0.0  # paid for a success only
+
+
 # ----------------------------------------------------------------------- the suite
 
 

@@ -128,12 +128,23 @@ def render(items: list[dict]) -> str:
 
 
 class Outcome(NamedTuple):
-    """The task's verdict: MiniWoB's raw reward (None: the task never ended)."""
+    """The task's verdict: MiniWoB's raw reward (None: the task never ended).
+
+    `success` is full credit, a raw reward of 1, as the miniwob package's own
+    `get_binary_reward` asks. A task with partial credit pays less for a partly right
+    answer: click-checkboxes pays (right - wrong) / boxes, so Submit with nothing
+    ticked reaches a raw reward above 0 whenever fewer than half the boxes are targets
+    (38% of its episodes), which a policy rewarded for `raw_reward > 0` learns at once.
+    `browsergym_success` is that looser rule, BrowserGym's, for published figures."""
 
     raw_reward: float | None
 
     @property
     def success(self) -> bool:
+        return self.raw_reward is not None and self.raw_reward >= 1.0 - 1e-9
+
+    @property
+    def browsergym_success(self) -> bool:
         return self.raw_reward is not None and self.raw_reward > 0
 
     @property

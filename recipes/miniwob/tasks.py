@@ -159,10 +159,15 @@ def demonstrate(task: Task):
 
 
 def reward(task: Task, episode) -> dict:
-    """The shared web components; MiniWoB's raw reward is logged as `raw_reward`, and a
-    browser that failed names the failure."""
+    """The shared web components (`success`: full credit); MiniWoB's raw reward is
+    logged as `raw_reward` and BrowserGym's success rule (a raw reward above 0) as
+    `browsergym_success`, unweighted; a browser that failed names the failure."""
     env = episode.env
-    out = {**components(task, episode, syntax_error), "raw_reward": env.raw_reward or 0.0}
+    out = {
+        **components(task, episode, syntax_error),
+        "raw_reward": env.raw_reward or 0.0,
+        "browsergym_success": float(env.outcome().browsergym_success),
+    }
     if env.failure:
         out["failure"] = env.failure
     return out
