@@ -106,6 +106,27 @@ def test_hand_written_solutions_pass_and_wrong_ones_do_not(recipe, fast_sandbox)
         assert s.components["passes"] == 0.0 and s.failure in ("wrong_answer", "runtime_error")
 
 
+def test_counting_brackets_fails_every_bracket_task():
+    """The shortcut a small model writes most, 'as many closes as opens' (per kind),
+    fails a hidden test of every bracket task: each holds a misordered string, ")(" or
+    "([)]", whose counts are equal (checked here against a stack-free count)."""
+    import random
+
+    from recipes.code.tasks import _tests
+
+    for fam in (families.balanced, families.balanced_multi):
+        for i in range(40):
+            spec = fam(random.Random(i))
+            pairs = spec.key[spec.key.index("(") + 1 : spec.key.index(",")]
+            _, hidden = _tests(spec, 8)
+
+            def counts(s, pairs=pairs):
+                return all(s.count(o) == s.count(c) for o, c in zip(pairs[::2], pairs[1::2]))
+
+            wrong = [c for c in hidden if counts(c["args"][0]) != c["expected"]]
+            assert wrong and all(counts(c["args"][0]) for c in wrong), spec.key
+
+
 def test_every_family_reference_handles_its_inputs():
     """Inputs and expected values cross JSON (to the sandboxed process, into task files)
     unchanged, and the reference's own return value scores as right against them."""

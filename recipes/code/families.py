@@ -226,7 +226,9 @@ def second_largest(r):
 
 
 def _brackets(r: random.Random, pairs: str, n: int) -> str:
-    """A bracket string: balanced, left unclosed, or with one bracket changed or cut."""
+    """A bracket string: balanced, left unclosed, or with one bracket changed, cut or
+    swapped with its neighbour (the counts stay equal, the order breaks: ")(", "([)]",
+    which a program that only counts brackets takes for balanced)."""
     opens, closes = pairs[::2], pairs[1::2]
     stack, out = [], []
     for _ in range(n):
@@ -240,23 +242,32 @@ def _brackets(r: random.Random, pairs: str, n: int) -> str:
         out += [closes[opens.index(o)] for o in reversed(stack)]
     s = "".join(out)
     if r.random() < 0.5 and s:
-        i = r.randrange(len(s))
-        s = s[:i] + r.choice(pairs) + s[i + 1 :] if r.random() < 0.6 else s[:i] + s[i + 1 :]
+        i, how = r.randrange(len(s)), r.random()
+        if how < 0.4:
+            s = s[:i] + r.choice(pairs) + s[i + 1 :]
+        elif how < 0.7:
+            s = s[:i] + s[i + 1 :]
+        elif len(s) > 1:
+            i = min(i, len(s) - 2)
+            s = s[:i] + s[i + 1] + s[i] + s[i + 2 :]
     return s
 
 
 def _bracket_kind(s: str, pairs: str) -> str:
-    """'ok', 'unclosed', 'early_close' (a close with nothing open) or 'mismatch'."""
+    """'ok', 'unclosed', 'early_close' (a close with nothing open), 'mismatch', or
+    'misordered': not balanced although every bracket kind opens as often as it closes
+    (the case that tells checking the order from counting)."""
     opens, closes = pairs[::2], pairs[1::2]
     stack = []
     for ch in s:
         if ch in opens:
             stack.append(ch)
         elif ch in closes:
-            if not stack:
-                return "early_close"
-            if opens[closes.index(ch)] != stack.pop():
-                return "mismatch"
+            early = not stack
+            if early or opens[closes.index(ch)] != stack.pop():
+                if all(s.count(o) == s.count(c) for o, c in zip(opens, closes)):
+                    return "misordered"
+                return "early_close" if early else "mismatch"
     return "unclosed" if stack else "ok"
 
 
