@@ -63,13 +63,14 @@ def test_a_good_reply_beats_bad_ones_on_each_component(recipe):
 
 
 def test_group_diversity_uses_the_group(recipe):
-    task = recipe.tasks("train", 1, 0)[0]
-    same = ["What a lovely thing to share, thank you for posting it."] * 4
+    task = next(t for t in recipe.tasks("train", 100, 0) + recipe.tasks("eval", 100, 0)
+                if "kitten" in t.payload["post"])  # fmt: skip
+    same = ["What a lovely kitten, thank you for sharing the shelter story."] * 4
     varied = [
-        "What a lovely thing to share, thank you for posting it.",
-        "I had the same experience last year and it got better quickly.",
-        "Good luck with it, and tell us how the next week goes!",
-        "Try asking a local group; people there know the details.",
+        "What a lovely kitten, thank you for sharing the shelter story.",
+        "I adopted from a shelter last year; my kitten hid for two days, then was fine.",
+        "Good luck with the kitten, and tell us how the next week at home goes!",
+        "Ask the shelter what food the kitten ate there; keep it the same at first.",
     ]
     [s_same], [s_varied] = (
         recipe.score_groups([task], [same]),
@@ -79,6 +80,20 @@ def test_group_diversity_uses_the_group(recipe):
     assert all(s.components["diversity"] > 0.9 for s in s_varied)
     # Alone, a reply has nothing to be compared with.
     assert recipe.score(task, same[0]).components["diversity"] == 1.0
+
+
+def test_copying_the_post_or_junk_is_not_paid_as_a_reply(recipe):
+    """Two ways a policy could farm the heuristics: repeat the post (its keywords come
+    along), or write words unlike any other reply (diversity)."""
+    task = next(t for t in recipe.tasks("train", 100, 0) + recipe.tasks("eval", 100, 0)
+                if t.payload["post"].startswith("Moving to a new city"))  # fmt: skip
+    genuine = "Good luck with the move! Feeling nervous in a new city alone is normal at first."
+    group = [task.payload["post"], "Xq zv plorb wumbo grel fatch nib.", genuine]
+    copied, junk, good = recipe.score_groups([task], [group])[0]
+    assert copied.components["relevance"] == 0.0 and copied.components["success"] == 0.0
+    assert copied.components["diversity"] == 0.0 and junk.components["diversity"] == 0.0
+    assert good.components["relevance"] == 1.0 and good.components["diversity"] > 0.5
+    assert good.reward > copied.reward and good.reward > junk.reward
 
 
 def test_self_bleu_and_distinct_n_against_hand_computed_values():
