@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(2)
     from mlx_grpo.dist import DistError, RankZeroError
+    from mlx_grpo.env import EnvError
     from mlx_grpo.models import ModelLoadError
     from mlx_grpo.trackers import TrackerError
     from mlx_grpo.trainer import TrainingError
@@ -441,6 +442,9 @@ def main(argv: list[str] | None = None) -> None:
         TrackerError,
     ) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except EnvError as e:  # the step cannot be played; the steps saved are kept
+        print(f"error: {e}; continue from the last checkpoint with --resume", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
         if e.errno not in FULL_DISK:

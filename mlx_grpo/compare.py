@@ -439,12 +439,13 @@ def _adapter_bytes(side: Side) -> bytes | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from mlx_grpo.env import EnvError
     from mlx_grpo.models import ModelLoadError
 
     argv = sys.argv[1:] if argv is None else argv
     try:
         run_compare(argv)
-    except (CompareError, ConfigError, ModelLoadError) as e:
+    except (CompareError, ConfigError, ModelLoadError, EnvError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

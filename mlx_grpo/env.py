@@ -20,6 +20,31 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 
+class EnvError(RuntimeError):
+    """An environment's reset or step raised (the message names the recipe, the task
+    and the exception): the episode cannot be played on, so the step stops there.
+    `prompt`: the index of the rollout's prompt whose episode it was, when known."""
+
+    def __init__(self, message: str, prompt: int | None = None):
+        super().__init__(message)
+        self.prompt = prompt
+
+
+def _said(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def env_call(what: str, fn, *args):
+    """`fn(*args)` (an environment's reset or step), its exception as one EnvError line."""
+    try:
+        return fn(*args)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"{what} raised {_said(e)}") from e
+
+
 class StepResult(NamedTuple):
     observation: str  # shown to the model as the next user message (ignored when done)
     done: bool  # the episode is over (goal reached, answer given, step limit...)

@@ -70,8 +70,9 @@ def evaluate(
             r.errors += s.error is not None
             if s.failure:
                 r.failures[s.failure] = r.failures.get(s.failure, 0) + 1
-            for k in s.components.keys() - r.components.keys():  # 0 for the samples before
-                r.components[k] = [0.0] * (len(r.rewards) - 1)
+            for k in s.components:  # (in the reward's order: the log is the same each run)
+                if k not in r.components:  # 0 for the samples before
+                    r.components[k] = [0.0] * (len(r.rewards) - 1)
             for k, values in r.components.items():
                 # 0 where this sample lacks it (a reward that raised gives the weighted
                 # components only): a mean over the task's samples, as the reward's

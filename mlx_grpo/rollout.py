@@ -28,7 +28,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.decode import CompiledDecoder, supported
-from mlx_grpo.env import Env, Episode, ill_formed, turn_spans
+from mlx_grpo.env import Env, EnvError, Episode, env_call, ill_formed, turn_spans
 from mlx_grpo.models import adapters_folded
 
 
@@ -556,10 +556,13 @@ def play_episodes(
                 state[i] = None  # free finished episodes' caches as we go
                 entropies[i] += ent
                 text = reply_text(tokenizer, toks, reason, cfg)
-                extra, reasons[i], seconds = take_turn(
-                    episodes[i], text, toks, reason, played[i] + turn, len(prompts[owners[i]]),
-                    history[i], mask[i], template, cfg,
-                )  # fmt: skip
+                try:
+                    extra, reasons[i], seconds = take_turn(
+                        episodes[i], text, toks, reason, played[i] + turn,
+                        len(prompts[owners[i]]), history[i], mask[i], template, cfg,
+                    )  # fmt: skip
+                except EnvError as e:
+                    raise EnvError(str(e), owners[i]) from e
                 env_s += seconds
                 if extra is None:
                     close_env(envs[i])
@@ -649,7 +652,7 @@ def take_turn(
     or of `max_episode_tokens`, or an ill-formed reply under `end_on_ill_formed`), the
     finish reason so far, and the seconds in env.step."""
     tic = time.perf_counter()
-    result = episode.env.step(text)
+    result = env_call("env.step()", episode.env.step, text)
     seconds = time.perf_counter() - tic
     episode.actions.append(text)
     episode.results.append(result)
@@ -742,11 +745,11 @@ def play_prefix(
     with those turns in (reply, then the environment's answer) and the Episode so far."""
     episode, messages = Episode(env=env), list(first)
     for j, reply in enumerate(replies):
-        result = env.step(reply)
+        result = env_call(f"{name}: env.step()", env.step, reply)
         episode.actions.append(reply)
         episode.results.append(result)
         if result.done:
-            raise ValueError(f"{name}: the episode ended after {j + 1} of {len(replies)} replies")
+            raise EnvError(f"{name}: the episode ended after {j + 1} of {len(replies)} replies")
         messages += [
             {"role": "assistant", "content": reply},
             {"role": "user", "content": result.observation},
@@ -761,30 +764,44 @@ def _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler, st
         prompts = [encode_prompt(tokenizer, t.messages, cfg.max_prompt_tokens) for t in tasks]
         return generate_groups(model, tokenizer, prompts, group_size, cfg, sampler)
     tic = time.perf_counter()
-    envs = [recipe.make_env(t) for t in tasks for _ in range(group_size)]
+    envs = []
     prompts, episodes = [], []
     try:
+        for t in tasks:
+            envs += [
+                env_call(f"task {t.id}: make_env()", recipe.make_env, t) for _ in range(group_size)
+            ]
         for i, task in enumerate(tasks):
             group = envs[i * group_size : (i + 1) * group_size]
             prefix = starts[i] if starts else []
             played = [
-                play_prefix(env, recipe.first_messages(task, env), prefix, task.id) for env in group
+                play_prefix(
+                    env,
+                    env_call(f"task {task.id}: env.reset()", recipe.first_messages, task, env),
+                    prefix,
+                    task.id,
+                )
+                for env in group
             ]
             firsts = [m for m, _ in played]
             if any(m != firsts[0] for m in firsts[1:]):
-                raise ValueError(
-                    f"recipe {recipe.name}: env.reset() differs between runs of {task.id}"
-                )
+                raise EnvError(f"env.reset() differs between runs of {task.id}")
             prompts.append(encode_prompt(tokenizer, firsts[0], cfg.max_prompt_tokens))
             episodes += [e for _, e in played]
-    except BaseException:
+    except BaseException as e:
         for env in envs:
             close_env(env)
+        if isinstance(e, EnvError):
+            raise EnvError(f"recipe {recipe.name}: {e}") from e
         raise
     reset_s = time.perf_counter() - tic
-    rollout = play_episodes(
-        model, tokenizer, prompts, envs, group_size, cfg, sampler, episodes=episodes
-    )
+    try:
+        rollout = play_episodes(
+            model, tokenizer, prompts, envs, group_size, cfg, sampler, episodes=episodes
+        )
+    except EnvError as e:
+        task = f"task {tasks[e.prompt].id}: " if e.prompt is not None else ""
+        raise EnvError(f"recipe {recipe.name}: {task}{e}") from e
     rollout.seconds += reset_s
     rollout.env_seconds += reset_s
     return rollout

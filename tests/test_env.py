@@ -281,6 +281,51 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
     assert (tmp_path / "e" / "adapters.safetensors").exists()
 
 
+BROKEN = {
+    "reset": "def reset(self):\n        raise ConnectionError('the page server is down\\nmore')",
+    "step": "def step(self, action):\n        raise KeyError('turn')",
+}
+
+
+@pytest.mark.parametrize("where", ["reset", "step"])
+def test_an_environment_that_raises_stops_the_run_in_one_line(
+    tiny_model_dir, tmp_path, capsys, where
+):
+    """A recipe's environment whose reset or step raises: one line naming the recipe,
+    the task and the exception, and the checkpoints already saved are kept."""
+    import shutil
+
+    from mlx_grpo.cli import main
+
+    recipe = tmp_path / "broken_env"
+    shutil.copytree(TOY_ENV, recipe)
+    code = (recipe / "tasks.py").read_text()
+    code = code.replace(
+        "def make_env(task):",
+        f"class Broken(CountEnv):\n    {BROKEN[where]}\n\n\ndef make_env(task):\n"
+        "    if BREAK[0]:\n        return Broken(task.payload['turns'])\n",
+    )
+    (recipe / "tasks.py").write_text(code + "\nimport os\nBREAK = [os.environ.get('BREAK')]\n")
+    args = ["train", "--recipe", str(recipe), f"--model.path={tiny_model_dir}",
+            f"--output.dir={tmp_path}", "--output.run=r", "--train.eval_every=0"]  # fmt: skip
+    assert cmd_train([*args[1:], "--train.steps=1"]) == 0
+    import os
+
+    os.environ["BREAK"] = "1"
+    try:
+        with pytest.raises(SystemExit) as done:
+            main([*args, "--train.steps=2", "--resume", str(tmp_path / "r")])
+    finally:
+        del os.environ["BREAK"]
+    err = capsys.readouterr().err
+    said = {"reset": "env.reset() raised ConnectionError: the page server is down",
+            "step": "env.step() raised KeyError: 'turn'"}[where]  # fmt: skip
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: recipe {recipe}: task train-") and said in err, err
+    assert err.rstrip().endswith("continue from the last checkpoint with --resume")
+    assert (tmp_path / "r" / "step-000001").is_dir()
+
+
 def test_a_run_that_ends_episodes_at_ill_formed_replies_logs_how_many(tiny_model_dir, tmp_path):
     """Every reply of this seeded run is 4 characters or more (the tiny model rarely
     draws its EOS early), so ill-formed for toy_env: under rollout.end_on_ill_formed
