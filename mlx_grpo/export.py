@@ -34,6 +34,7 @@ reproduces the MLX model's logits to float rounding.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -592,7 +593,8 @@ def export(
     model_dtype = "float32" if dtype == "auto" else dtype
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
+        _remove_leftovers(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise ExportError(f"--out: cannot write in {out.parent} ({e.strerror})") from None
     try:
@@ -632,6 +634,29 @@ def export(
             ) from None
         raise
     return Exported(out=out, upload=upload, files=files)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """What a killed export of `out` left beside it: its unfinished folder (named with
+    its pid, gone now; a whole base model in float32 can be gigabytes), and an old
+    export moved aside once `out` holds the new one."""
+    for folder in out.parent.glob(f".{glob.escape(out.name)}-tmp-*-*"):
+        pid = folder.name.removeprefix(f".{out.name}-tmp-").split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+    if out.exists():
+        for folder in out.parent.glob(f".{glob.escape(out.name)}-old-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def _replace(new: Path, out: Path) -> None:

@@ -698,6 +698,24 @@ def test_a_replaced_export_is_never_partly_at_out(tiny_model_dir, tmp_path, monk
     assert not (out / "mine.txt").exists() and (out / "adapter_model.safetensors").exists()
 
 
+def test_what_a_killed_export_left_is_removed_by_the_next(tiny_model_dir, tmp_path):
+    import subprocess
+
+    run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
+    export(run, "peft", tmp_path / "out", base_model="x/y")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that was an export's and is no process now
+    dead = tmp_path / f".out-tmp-{gone.pid}-abc"
+    live = tmp_path / f".out-tmp-{os.getpid()}-def"  # an export running in this process
+    other = tmp_path / f".outer-tmp-{gone.pid}-ghi"  # another --out's
+    for folder in (dead, live, other):
+        (folder / "base").mkdir(parents=True)
+    (tmp_path / ".out-old-xyz" / "out").mkdir(parents=True)  # a replaced export, aside
+    export(run, "peft", tmp_path / "out", base_model="x/y", force=True)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert left == sorted([live.name, other.name])
+
+
 def test_out_folder_is_not_overwritten_without_force(tiny_model_dir, tmp_path):
     run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
     (tmp_path / "out").mkdir()
