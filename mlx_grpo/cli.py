@@ -328,7 +328,15 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 def cmd_export(argv: list[str]) -> int:
-    from mlx_grpo.export import DTYPES, FORMATS, ExportError, check_hub, export, push_to_hub
+    from mlx_grpo.export import (
+        DTYPES,
+        FORMATS,
+        ExportError,
+        base_repo,
+        check_hub,
+        export,
+        push_to_hub,
+    )
 
     p = _Parser(
         prog="python -m mlx_grpo export",
@@ -392,6 +400,11 @@ def cmd_export(argv: list[str]) -> int:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             said = getattr(e, "server_message", None)  # the Hub's own reason
             said = f" ({said.strip().splitlines()[0]})" if said and said.strip() else ""
+            if (done.upload / "base").is_dir():  # adapter_config.json names the base's repo
+                said += (
+                    f"; the export's adapter_config.json names {base_repo(args.push_to_hub)}, "
+                    "which this push was to fill: push again, or load base/ from the folder"
+                )
             print(f"error: --push-to-hub {args.push_to_hub}: {first}{said}", file=sys.stderr)
             return 2
         print(f"pushed: {', '.join(urls)}")

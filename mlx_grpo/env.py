@@ -14,6 +14,7 @@ never in the loss.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -36,12 +37,16 @@ def _said(e: BaseException) -> str:
 
 
 def env_call(what: str, fn, *args):
-    """`fn(*args)` (an environment's reset or step), its exception as one EnvError line."""
+    """`fn(*args)` (an environment's reset or step), its exception as one EnvError line;
+    a full disk and a lack of memory pass as they are (the machine's, with advice of
+    their own)."""
     try:
         return fn(*args)
-    except EnvError:
+    except (EnvError, MemoryError):
         raise
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
         raise EnvError(f"{what} raised {_said(e)}") from e
 
 

@@ -640,9 +640,9 @@ def _remove_leftovers(out: Path) -> None:
     """What a killed export of `out` left beside it: its unfinished folder (named with
     its pid, gone now; a whole base model in float32 can be gigabytes), and an old
     export moved aside once `out` holds the new one."""
+    ours = re.compile(rf"\.{re.escape(out.name)}-tmp-(\d+)-[A-Za-z0-9_]+")
     for folder in out.parent.glob(f".{glob.escape(out.name)}-tmp-*-*"):
-        pid = folder.name.removeprefix(f".{out.name}-tmp-").split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if (m := ours.fullmatch(folder.name)) and not _alive(int(m.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
     if out.exists():
         for folder in out.parent.glob(f".{glob.escape(out.name)}-old-*"):
@@ -662,15 +662,21 @@ def _alive(pid: int) -> bool:
 def _replace(new: Path, out: Path) -> None:
     """Put the finished folder `new` at `out`. An old export there is renamed aside
     first and removed after, so that no kill leaves a part of either at `out`: it holds
-    the old export or the new one, whole, or (a kill between the two renames) nothing,
-    the old one then whole in `.{name}-old-*/` beside it. Deleting it in place could
-    leave a folder that looks complete with files missing."""
+    the old export or the new one, whole, or (a SIGKILL between the two renames)
+    nothing, the old one then whole in `.{name}-old-*/` beside it; a failure or Ctrl-C
+    there puts the old one back. Deleting it in place could leave a folder that looks
+    complete with files missing."""
     if not out.exists() and not out.is_symlink():
         os.rename(new, out)
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent)) / out.name
     os.rename(out, aside)
-    os.rename(new, out)
+    try:
+        os.rename(new, out)
+    except BaseException:  # (a Ctrl-C too): the old one back in place
+        os.rename(aside, out)
+        aside.parent.rmdir()
+        raise
     shutil.rmtree(aside.parent, ignore_errors=True)
 
 

@@ -141,19 +141,23 @@ def resolve_side(flag: str, spec: str, adapter: str | None = None) -> Side:
     return Side(flag, spec, cfg.model, folder, run_dir, cfg, RunFolder.saved_step(frozen), frozen)
 
 
-def _freeze(folder: Path, opt: str) -> Path:
-    """A copy of a run's (or step's, or an adapter folder's) adapters and the file naming
-    their step, removed at exit: a run that trains on during the comparison replaces its
-    own copy of the adapters and prunes old steps; the side stays what it was when the
-    command began."""
+def _freeze(folder: Path, opt: str, run: bool = True) -> Path:
+    """A copy of a run's (or step's, or with `run` False an adapter folder's) adapters
+    and the file naming their step, removed at exit: a run that trains on during the
+    comparison replaces its own copy of the adapters and prunes old steps; the side stays
+    what it was when the command began. A run's step folder must still hold its
+    state.json (else it was being pruned)."""
+    name = folder.resolve().name or "adapters"  # ("." names the folder it is)
     names = [RunFolder.ADAPTERS, RunFolder.ADAPTER_CONFIG]
-    names.append(RunFolder.STATE if step_of(folder.name) is not None else RunFolder.LATEST)
-    copy = Path(tempfile.mkdtemp(prefix="mlx-grpo-side-")) / folder.name
-    atexit.register(shutil.rmtree, copy.parent, ignore_errors=True)
+    names.append(RunFolder.STATE if step_of(name) is not None else RunFolder.LATEST)
+    needed = names if run and names[2] == RunFolder.STATE else names[:2]
+    tmp = Path(tempfile.mkdtemp(prefix="mlx-grpo-side-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the temporary folder only
+    copy = tmp / name
     try:
         copy.mkdir()
         for name in names:
-            if (folder / name).exists() or name in names[:2]:  # the step's file if any
+            if (folder / name).exists() or name in needed:
                 shutil.copyfile(folder / name, copy / name)
     except FileNotFoundError:
         raise CompareError(
@@ -162,7 +166,7 @@ def _freeze(folder: Path, opt: str) -> Path:
         ) from None
     except OSError as e:
         raise CompareError(
-            f"{opt}: cannot copy its adapters to {copy.parent} ({e.strerror}); set TMPDIR "
+            f"{opt}: cannot copy its adapters to {tmp} ({e.strerror}); set TMPDIR "
             "to a folder with room"
         ) from None
     return copy
@@ -172,7 +176,7 @@ def _with_adapter(side: Side, adapter: str | None) -> Side:
     if adapter is not None:
         side.adapter = Path(adapter).expanduser()
         _check_adapter(side.adapter, f"--{side.flag}-adapter")
-        side.frozen = _freeze(side.adapter, f"--{side.flag}-adapter")  # (it may be a run's)
+        side.frozen = _freeze(side.adapter, f"--{side.flag}-adapter", run=False)
     return side
 
 

@@ -125,8 +125,10 @@ def better(ci_low: float, ci_high: float, p: float, level: float = 0.95) -> str 
 
     >>> better(1.0, 1.0, 0.25), better(0.1, 0.7, 0.0021), better(-0.4, -0.1, 0.01)
     (None, 'b', 'a')
+    >>> better(0.1, 0.5, 0.05)  # below 0.05, not at it
+
     """
-    if p >= 1 - level:
+    if p >= round(1 - level, 12):  # (1 - 0.95 is 0.050000000000000044)
         return None
     return "b" if ci_low > 0 else "a" if ci_high < 0 else None
 

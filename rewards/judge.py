@@ -69,9 +69,11 @@ class Judge:
 
     @property
     def _specials(self) -> list[str]:
-        tok = getattr(self.tokenizer, "_tokenizer", self.tokenizer)  # (mlx_lm's wrapper)
+        """The special tokens' strings (mlx_lm's wrapper passes the HF tokenizer's on)."""
+        tok = self.tokenizer
         found = set(getattr(tok, "all_special_tokens", []))
-        found |= {t.content for t in getattr(tok, "added_tokens_decoder", {}).values()}
+        added = getattr(tok, "added_tokens_decoder", {}).values()
+        found |= {t.content for t in added if getattr(t, "special", False)}
         return sorted((t for t in found if len(t) > 1), key=len, reverse=True)
 
     def prompt_ids(self, question: str, answer: str) -> list[int]:

@@ -44,7 +44,8 @@ _ENDING = re.compile(r"(?:ing|ed|es|s|e)$")
 
 
 def _root(w: str) -> str:
-    """The word without one common ending ("moving", "move" -> "mov")."""
+    """The word without one common ending ("moving", "move" -> "mov"); words shorter
+    than four letters keep theirs, and relevance compares roots of such words only."""
     return _ENDING.sub("", w) if len(w) >= 4 else w
 
 
@@ -56,6 +57,8 @@ def relevance(text: str, keywords: list[str], full_at: int = 2, post: str = "") 
     1.0
     >>> relevance("Nice!", ["kitten"]), relevance("Good luck with the move!", ["moving"])
     (0.0, 1.0)
+    >>> relevance("I do not know.", ["notes"])
+    0.0
     >>> relevance("Just adopted a kitten from the shelter!", ["kitten", "shelter"],
     ...           post="Just adopted a kitten from the shelter! Any tips?")
     0.0
@@ -68,7 +71,10 @@ def relevance(text: str, keywords: list[str], full_at: int = 2, post: str = "") 
         k = k.lower()
         stem = k[:5]
         if any(
-            w == k or (len(stem) >= 4 and w.startswith(stem)) or _root(w) == _root(k) for w in ws
+            w == k
+            or (len(stem) >= 4 and w.startswith(stem))
+            or (min(len(w), len(k)) >= 4 and _root(w) == _root(k))  # ("not" is no "notes")
+            for w in ws
         ):
             hits += 1
     return min(1.0, hits / min(full_at, len(keywords))) if keywords else 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -567,6 +568,24 @@ def test_a_run_still_training_is_compared_as_it_was_when_the_command_started(
     assert evalcache.side_key(side, {"settings": 1}) == key
     params = dict(tree_flatten(sides.load_side(side)[0].parameters()))
     assert all(mx.array_equal(params[k], v + 1).item() for k, v in saved.items())
+
+
+def test_a_side_named_dot_is_copied_into_a_folder_of_its_own(toy_run, tmp_path, monkeypatch):
+    """`--a-adapter .` from inside a step folder: the copy is named after the folder, and
+    what is removed at exit is the copy's own temporary folder, never TMPDIR."""
+    removed = []
+    monkeypatch.setattr(sides.atexit, "register", lambda fn, path, **k: removed.append(path))
+    monkeypatch.chdir(toy_run / "step-000001")
+    copy = sides._freeze(Path("."), "--a-adapter", run=False)
+    assert copy.name == "step-000001" and removed == [copy.parent]
+    assert copy.parent.name.startswith("mlx-grpo-side-") and (copy / "state.json").exists()
+    # A run's step folder without its state.json was being pruned: said so.
+    pruning = tmp_path / "pruning" / "step-000001"
+    pruning.mkdir(parents=True)
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        shutil.copy(toy_run / "step-000001" / name, pruning)
+    with pytest.raises(cmp.CompareError, match="was removed while being read"):
+        sides._freeze(pruning, "--b x")
 
 
 def test_the_same_weights_at_another_scale_are_another_model(toy_run, tiny_model_dir, tmp_path):

@@ -281,6 +281,27 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
     assert (tmp_path / "e" / "adapters.safetensors").exists()
 
 
+def test_a_full_disk_or_no_memory_in_an_environment_is_not_its_fault():
+    import errno
+
+    from mlx_grpo.env import EnvError, env_call
+
+    def raising(e):
+        def fn():
+            raise e
+
+        return fn
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError) as got:
+        env_call("env.step()", raising(full))
+    assert got.value is full
+    with pytest.raises(MemoryError):
+        env_call("env.step()", raising(MemoryError()))
+    with pytest.raises(EnvError, match=r"^env.step\(\) raised ValueError: bad$"):
+        env_call("env.step()", raising(ValueError("bad\nmore")))
+
+
 BROKEN = {
     "reset": "def reset(self):\n        raise ConnectionError('the page server is down\\nmore')",
     "step": "def step(self, action):\n        raise KeyError('turn')",

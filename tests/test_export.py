@@ -671,7 +671,7 @@ def test_a_base_whose_config_is_not_here_needs_a_named_base(tiny_model_dir, tmp_
 
 def test_a_replaced_export_is_never_partly_at_out(tiny_model_dir, tmp_path, monkeypatch):
     """--force: the old export goes aside whole before the new one comes in; a failure
-    between the two renames leaves the old one whole beside `out`, not half deleted."""
+    between the two renames puts it back, whole, rather than half deleted."""
     import os
 
     run = make_run(tmp_path / "run", tiny_model_dir, LoRAConfig(rank=4), 0)
@@ -689,11 +689,9 @@ def test_a_replaced_export_is_never_partly_at_out(tiny_model_dir, tmp_path, monk
     monkeypatch.setattr(os, "rename", second_fails)
     with pytest.raises(ExportError, match="Input/output error"):
         export(run, "peft", out, base_model="x/y", force=True)
-    monkeypatch.undo()
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".out-old-")]
-    assert not out.exists() and len(aside) == 1
-    assert (aside[0] / "out" / "mine.txt").read_text() == "old"
-    assert (aside[0] / "out" / "adapter_model.safetensors").exists()
+    monkeypatch.undo()  # the old one is back, whole, and nothing is left beside it
+    assert (out / "mine.txt").read_text() == "old" and (out / "adapter_model.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out-")]
     export(run, "peft", out, base_model="x/y", force=True)
     assert not (out / "mine.txt").exists() and (out / "adapter_model.safetensors").exists()
 
