@@ -86,11 +86,16 @@ class UniformCurriculum:
         self.scores: list[float] = []
 
     def sample(self, n: int) -> list[Task]:
-        out = []
+        out, taken = [], set()
         for _ in range(n):
             if not self.order:
-                self.order = self.rng.permutation(len(self.tasks)).tolist()
-            out.append(self.tasks[self.order.pop()])
+                order = self.rng.permutation(len(self.tasks)).tolist()
+                # An epoch that ends mid-step: its successor hands out this step's tasks
+                # last (pop takes from the end), so no task comes twice in one step.
+                self.order = [i for i in order if i in taken] + [i for i in order if i not in taken]
+            i = self.order.pop()
+            taken.add(i)
+            out.append(self.tasks[i])
         self.last = out
         return out
 
@@ -264,7 +269,7 @@ class LearnabilityCurriculum:
             entry = self.buffer.get(task.id)
             if entry is not None:
                 score = (1 - a) * entry[0] + a * score
-            # Retired: the whole group scored high, and so did its last visit if any.
+            # Retired: the whole group scored high, and its last visit's mean did too.
             if r.min() >= self.cfg.retire_at and (entry is None or entry[3] >= self.cfg.retire_at):
                 self.buffer.pop(task.id, None)
                 self.retired.add(task.id)

@@ -148,21 +148,24 @@ def guide_groups(
     cfg: RolloutConfig,
     say=print,
     skip: frozenset[int] = frozenset(),
+    signal: str | None = None,
 ) -> list[tuple[int, float]]:
-    """In each group that the recipe's demonstration beats (it ends its episode and
-    scores higher than every sample), put it in place of the lowest-scoring sample (the
-    last of equals), in `rollout` and `scored`. A recipe that scores a group as a whole
+    """In each group that no sample solved (`solved`) and that the recipe's
+    demonstration beats (it ends its episode and scores higher than every sample), put
+    it in place of the lowest-scoring sample (the last of equals), in `rollout` and
+    `scored`. A recipe that scores a group as a whole
     (`reward_batch`) scores it again with the demonstration in. Groups whose reward
     raised, and demonstrations that raise (said once each), are left as sampled.
     Groups in `skip` (those that started partway: `grpo.demo_starts`) are left alone.
-    Returns the (row, reward) of every row whose reward changed."""
+    `signal`: `grpo.signal_component`. Returns the (row, reward) of the demonstration
+    and of every row whose reward changed."""
     g = rollout.group_size
     whole = callable(getattr(recipe.module, "reward_batch", None))
     changed = []
     for i, task in enumerate(tasks):
         group = scored[i * g : (i + 1) * g]
         rewards = [s.reward for s in group]
-        if i in skip or max(rewards) >= recipe.max_reward - 1e-6 or any(s.error for s in group):
+        if i in skip or solved(group, signal, recipe.max_reward) or any(s.error for s in group):
             continue  # nothing to beat, or nothing to trust
         try:
             demo = demonstration(recipe, tokenizer, task, i, rollout.prompts[i], cfg)
@@ -184,8 +187,28 @@ def guide_groups(
             continue
         rollout.completions[i * g + out] = demo
         scored[i * g : (i + 1) * g] = new
-        changed += [(i * g + j, s.reward) for j, s in enumerate(new) if s is not group[j]]
+        changed += [
+            (i * g + j, s.reward) for j, s in enumerate(new) if j == out or s.reward != rewards[j]
+        ]
     return changed
+
+
+def solved(group: list[Scored], signal: str | None, best: float) -> bool:
+    """A sample of the group did the task: it scored on `signal` (grpo.signal_component,
+    else the reward's `success` when it has one), or, for a reward with neither, reached
+    the recipe's best. (A success that lost a little elsewhere, an extra step's
+    efficiency, is still a success: a demonstration must not take its place.)
+
+    >>> ok, slow = Scored(1.07, {"success": 1.0}), Scored(0.0, {"success": 0.0})
+    >>> solved([slow, ok], None, 1.1), solved([slow, slow], None, 1.1)
+    (True, False)
+    >>> solved([Scored(0.5, {"partial": 0.5})], None, 1.0)
+    False
+    """
+    key = signal or ("success" if any("success" in s.components for s in group) else None)
+    if key is not None:
+        return any(s.components.get(key, 0.0) > 0 for s in group)
+    return max(s.reward for s in group) >= best - 1e-6
 
 
 def demonstration_advantages(

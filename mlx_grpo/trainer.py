@@ -490,8 +490,9 @@ def train(
                     i for i, s in enumerate(starts[mine.start : mine.stop]) if s
                 )
                 changed = guide_groups(
-                    recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say, mine_partway
-                )
+                    recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say, mine_partway,
+                    cfg.grpo.signal_component,
+                )  # fmt: skip
                 share["guided"] = [(mine.start * g + row, reward) for row, reward in changed]
                 share["demos"] = [
                     mine.start * g + row
@@ -516,13 +517,13 @@ def train(
             # Advantages; the curriculum hears the rewards; the groups with signal train
             # (with guidance, the update's rewards have the demonstrations in).
             guided = [(row, r) for sh in shares for row, r in sh.get("guided", ())]
+            demos = [row for sh in shares for row in sh.get("demos", ())]
             update_rewards = scored_rewards.copy()
             for row, r in guided:
                 update_rewards[row] = r
-            broke[[row for row, _ in guided]] = False  # (a demonstration took its place)
+            broke[demos] = False  # (a demonstration took the place; a crash rescored stays)
             update_rewards = without_infrastructure_failures(update_rewards, broke, g)
             advantages = group_advantages(mx.array(update_rewards), g, cfg.grpo.scale_rewards)
-            demos = [row for sh in shares for row in sh.get("demos", ())]
             zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
             # Groups of failures that differ only in partial credit (grpo.signal_component).
             unscored = _unscored_groups(records, g, cfg.grpo.signal_component) & ~zero_var

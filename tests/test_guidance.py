@@ -129,6 +129,21 @@ def test_guidance_fills_only_the_zero_variance_groups_that_the_demonstration_bea
         assert rollout.completions[row] is before_c[row] and scored[row] is before_s[row]
 
 
+def test_a_group_with_a_success_is_not_guided_though_the_demonstration_scores_more(tiny):
+    """A success that lost a little elsewhere (an extra step's efficiency) is a success:
+    the group has its signal, and a demonstration must not take a sample's place."""
+    model, tok = tiny
+    recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
+    tasks = recipe.tasks("train", 1, 0)
+    mx.random.seed(0)
+    rollout = rollout_tasks(model, tok, recipe, tasks, 4, CFG)
+    scored = [Scored(1.0, {"success": 1.0})] + [Scored(0.0, {"success": 0.0})] * 3
+    assert guide_groups(recipe, tok, tasks, rollout, list(scored), CFG) == []
+    # grpo.signal_component names what counts: here nobody scored on it.
+    guided = guide_groups(recipe, tok, tasks, rollout, list(scored), CFG, signal="finished")
+    assert guided == [(3, pytest.approx(1.5))]
+
+
 def test_a_recipe_that_scores_groups_whole_judges_the_demonstration_among_them(tiny, monkeypatch):
     """With `reward_batch` a reward may depend on the whole group: the group is scored
     again with the demonstration in, and guided only if it then beats the others."""
