@@ -59,7 +59,9 @@ PARITY_STAMP := $(PARITY_VENV)/.installed-$(shell echo '$(PARITY_REQS)' | cksum 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PYTHON) mlx_grpo/_preflight.py
+	@# A venv whose interpreter is gone (a system upgrade) or too old is made again.
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,plot]'
 	$(PY) mlx_grpo/_backend.py
@@ -74,7 +76,7 @@ mlx-device: $(STAMP)
 LAUNCH := $(if $(HOSTS),$(VENV)/bin/mlx.launch --hostfile $(call quote,$(HOSTS)) --,$(if $(NP),$(VENV)/bin/mlx.launch --backend ring -n $(strip $(NP)) --))
 
 train: $(STAMP)
-	$(LAUNCH) $(if $(LAUNCH),$(CURDIR)/$(PY),$(PY)) -m mlx_grpo train $(TRAIN_FLAGS)
+	$(LAUNCH) $(if $(LAUNCH),$(call quote,$(CURDIR)/$(PY)),$(PY)) -m mlx_grpo train $(TRAIN_FLAGS)
 
 # The tests also cover output.report_to, so they install every tracker extra.
 TRACKERS_STAMP := $(VENV)/.installed-trackers
@@ -96,8 +98,10 @@ parity-env: $(PARITY_STAMP)
 
 $(PARITY_STAMP):
 	@test -x $(PARITY_PY) || $(PYTHON) -m venv $(PARITY_VENV)
-	@# torch first and alone, so that nothing else makes pip pick another build of it.
-	$(PARITY_PY) -m pip install -q '$(PARITY_TORCH)'
+	@# torch first and alone, so that nothing else makes pip pick another build of it;
+	@# the CPU build's local version (+cpu) is on PyTorch's own index, not on PyPI.
+	$(PARITY_PY) -m pip install -q '$(PARITY_TORCH)' || $(PARITY_PY) -m pip install -q \
+		--extra-index-url https://download.pytorch.org/whl/cpu '$(PARITY_TORCH)'
 	$(PARITY_PY) -m pip install -q $(foreach r,$(PARITY_REQS),'$(r)')
 	@rm -f $(PARITY_VENV)/.installed-*
 	@touch $@

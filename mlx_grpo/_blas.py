@@ -375,14 +375,32 @@ def _cpu_signature() -> str:
 
 
 def _mlx_version() -> str:
+    """MLX's version and its core library's identity (mlx-cpu and mlx-cuda-13 share a
+    version; a build swapped in place is another library)."""
+    import importlib.util
     from importlib import metadata
 
+    version = "?"
     for dist in ("mlx", "mlx-cpu"):
         try:
-            return metadata.version(dist)
+            version = metadata.version(dist)
+            break
         except metadata.PackageNotFoundError:
             continue
-    return "?"
+    try:
+        spec = importlib.util.find_spec("mlx")
+        roots = list(spec.submodule_search_locations or []) if spec else []
+    except (ImportError, ValueError):
+        roots = []
+    libs = sorted(f for root in roots for f in Path(root).glob("lib/libmlx*"))
+    ids = []
+    for f in libs:
+        try:
+            st = f.stat()
+            ids.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            continue
+    return " ".join([version, *ids])
 
 
 def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
@@ -463,8 +481,10 @@ def _run_probe(lib: Path, threads: int) -> dict:
         config, failed = str(out["config"]), list(out["failed"])
         missing, prefixed = list(out.get("missing", [])), bool(out.get("prefixed"))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        # No verdict: the probe's Python failed around the library (mlx or numpy not
+        # importable mid-upgrade, no memory), which says nothing lasting about it.
         why = _last_line(done.stderr) or f"exit status {done.returncode}"
-        return {"ok": False, "reason": f"its probe failed: {why}", "config": ""}
+        return {"ok": False, "reason": f"its probe failed: {why}", "config": "", "transient": True}
     if missing and prefixed:  # libscipy_openblas.so itself, say
         why = (
             f"its symbols carry a scipy_ prefix (scipy_{missing[0]}), which MLX does not "
@@ -541,7 +561,9 @@ def _first_that_works(
             problems.append(f"{label}: {verdict['reason']}")
             continue
         cap = max_threads(verdict["config"])
-        if cap is not None and cap < threads and name not in ("custom", forced):
+        # (64 is the usual builds' cap: past 64 cores every candidate has it, and it is
+        # no reason to pass one over)
+        if cap is not None and cap < min(threads, 64) and name not in ("custom", forced):
             capped = capped or Blas(name, str(lib), verdict["config"], cap)
             problems.append(f"{label}: built for at most {cap} threads")
             continue
@@ -560,6 +582,23 @@ def _first_that_works(
     return blas, None
 
 
+def _load(path: str, threads: int) -> ctypes.CDLL:
+    """Load the library globally with `threads` threads. The environment holds the count
+    only while it loads, so that its constructor starts the threads the probe ran with,
+    not one per core (too many under a pids limit)."""
+    before = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+    finally:
+        if before is None:
+            os.environ.pop("OPENBLAS_NUM_THREADS", None)
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = before
+    _set_threads(lib, threads)
+    return lib
+
+
 def use_fast_blas() -> Blas | None:
     """On Linux, before the first `import mlx`: choose a BLAS (module doc) and load it
     globally. Returns the choice, or None where there is nothing to choose (another
@@ -576,7 +615,7 @@ def use_fast_blas() -> Blas | None:
         try:
             # Set through the library, not the environment: processes this one starts
             # (an `mlx.launch` job, say) choose their own share.
-            _set_threads(ctypes.CDLL(blas.path, mode=os.RTLD_GLOBAL), blas.threads or 1)
+            _load(blas.path, blas.threads or 1)
         except OSError as e:  # removed between the probe and now
             warning, blas = (
                 f"{blas.path} could not be loaded ({e}); using MLX's built-in BLAS",

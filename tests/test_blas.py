@@ -194,6 +194,67 @@ def test_a_thread_capped_build_yields_to_an_uncapped_one(monkeypatch, tmp_path):
     libs["cmeel-openblas"] = None  # only the capped one: used, at its cap
     blas, _ = _blas.choose({"OPENBLAS_NUM_THREADS": "8"})
     assert (blas.name, blas.threads) == ("system", 4)
+    # Past 64 cores every usual build is capped at 64: no reason to pass one over.
+    configs[libs["system"]] = "OpenBLAS Zen MAX_THREADS=64"
+    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "96"})
+    assert (blas.name, blas.threads, warning) == ("system", 64, None)
+
+
+def test_the_library_loads_with_the_threads_it_was_probed_with(monkeypatch):
+    """Its constructor starts its threads from the environment: the count is there while
+    it loads, and the environment is as it was afterwards."""
+    seen = []
+    monkeypatch.setattr(
+        _blas.ctypes, "CDLL", lambda path, mode: seen.append(os.environ.get("OPENBLAS_NUM_THREADS"))
+    )
+    monkeypatch.setattr(_blas, "_set_threads", lambda lib, n: seen.append(n))
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    _blas._load("/x/libopenblas.so", 3)
+    assert seen == ["3", 3] and "OPENBLAS_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "16")
+    _blas._load("/x/libopenblas.so", 2)
+    assert seen[2:] == ["2", 2] and os.environ["OPENBLAS_NUM_THREADS"] == "16"
+
+
+def test_a_probe_that_gives_no_verdict_is_not_cached(monkeypatch, tmp_path):
+    """A probe whose Python failed around the library (mlx not importable mid-upgrade)
+    says nothing lasting about it: probed again next time."""
+    import subprocess
+
+    monkeypatch.setattr(
+        _blas.subprocess,
+        "run",
+        lambda *a, **k: subprocess.CompletedProcess(
+            a, 1, "", "ImportError: libmlx.so: no such file"
+        ),
+    )
+    verdict = _blas._run_probe(tmp_path / "libx.so", 2)
+    assert verdict["transient"] and verdict["reason"].endswith(
+        "ImportError: libmlx.so: no such file"
+    )
+
+
+def test_the_cache_lives_where_this_user_can_write(monkeypatch, tmp_path):
+    import tempfile
+
+    from mlx_grpo import _paths
+
+    monkeypatch.delenv("MLX_GRPO_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _paths.cache_root() == tmp_path / ".cache" / "mlx-grpo"
+    own = Path(tempfile.gettempdir()) / f"mlx-grpo-{os.getuid()}"
+    monkeypatch.setattr(_paths.os, "access", lambda path, mode: False)  # HOME=/, say
+    assert _paths.cache_root() == own
+    monkeypatch.undo()
+    monkeypatch.delenv("MLX_GRPO_CACHE", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(_paths.Path, "home", staticmethod(no_home))
+    assert _paths.cache_root() == own
+    monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path / "c"))
+    assert _paths.cache_root() == tmp_path / "c"
 
 
 @linux_only
