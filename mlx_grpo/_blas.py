@@ -216,13 +216,51 @@ def physical_cores() -> int:
         else:
             cores.add(str(cpu))
     n = len(cores)
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass
+    if (quota := cpu_quota()) is not None:
+        n = min(n, math.ceil(quota))
     return max(1, n)
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")):
+    """The CPUs' worth of time this process's cgroups allow (quota / period), the least
+    of them, or None without a quota: cgroup v2's cpu.max, or v1's cpu.cfs_quota_us and
+    cpu.cfs_period_us (`docker --cpus` on a v1 host), in this process's own cgroup and
+    the ones above it (a cgroup namespace shows it at the root).
+
+    >>> cpu_quota(Path("/nonexistent"), Path("/nonexistent")) is None
+    True
+    """
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        lines = []
+    found = []
+
+    def ancestors(base: Path, path: str):
+        parts = [x for x in path.strip("/").split("/") if x]
+        return [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+    for line in lines or ["0::/"]:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2
+            for d in ancestors(root, path):
+                try:
+                    quota, period = (d / "cpu.max").read_text().split()[:2]
+                    if quota != "max":
+                        found.append(int(quota) / int(period))
+                except (OSError, ValueError):
+                    continue
+        elif "cpu" in controllers.split(","):  # v1
+            for mount in {root / controllers, root / "cpu", root / "cpu,cpuacct"}:
+                for d in ancestors(mount, path):
+                    try:
+                        quota = int((d / "cpu.cfs_quota_us").read_text())
+                        period = int((d / "cpu.cfs_period_us").read_text())
+                        if quota > 0 and period > 0:
+                            found.append(quota / period)
+                    except (OSError, ValueError):
+                        continue
+    return min(found) if found else None
 
 
 def local_ranks(env=os.environ) -> int:

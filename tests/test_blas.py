@@ -437,3 +437,25 @@ def test_a_malformed_cached_verdict_is_probed_again(monkeypatch, tmp_path, entry
     cached.write_text(json.dumps(entry))
     blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})
     assert (blas.name, blas.path, warning) == ("system", str(lib), None)
+
+
+def test_a_cpu_quota_is_found_under_cgroup_v1_and_v2(tmp_path):
+    """`docker --cpus 2` on a cgroup v1 host writes cfs_quota_us; v2 writes cpu.max, in
+    the process's own cgroup or one above it. The least quota counts."""
+    v1, own = tmp_path / "v1", tmp_path / "cgroup"
+    d = v1 / "cpu,cpuacct" / "docker" / "abc"
+    d.mkdir(parents=True)
+    (d / "cpu.cfs_quota_us").write_text("200000\n")
+    (d / "cpu.cfs_period_us").write_text("100000\n")
+    own.write_text("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n")
+    assert _blas.cpu_quota(v1, own) == 2.0
+    (d / "cpu.cfs_quota_us").write_text("-1\n")  # no quota
+    assert _blas.cpu_quota(v1, own) is None
+    v2 = tmp_path / "v2"
+    (v2 / "user.slice" / "job").mkdir(parents=True)
+    (v2 / "user.slice" / "cpu.max").write_text("150000 100000\n")  # a parent's quota
+    (v2 / "user.slice" / "job" / "cpu.max").write_text("max 100000\n")
+    own.write_text("0::/user.slice/job\n")
+    assert _blas.cpu_quota(v2, own) == 1.5
+    (v2 / "cpu.max").write_text("50000 100000\n")  # the namespace's root, tighter
+    assert _blas.cpu_quota(v2, own) == 0.5
