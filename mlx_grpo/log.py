@@ -11,6 +11,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from mlx_grpo.durable import append_record
 
@@ -105,15 +106,17 @@ class Display:
         table = Table(show_header=True, header_style="bold", expand=False)
         table.add_column("metric")
         table.add_column("value", justify="right")
-        for k in KEY_METRICS:
-            if k in m:
-                table.add_row(k, f"{m[k]:.4g}")
-        for k in _extra_keys(m):
+        # What a user watches first on top: a terminal of 24 rows cuts the panel's end.
+        head = [k for k in ("reward/mean", "reward/std") if k in m]
+        for k in [*head, *_extra_keys(m)]:
             table.add_row(k, f"{m[k]:.4g}")
         if level_mix(m):
             table.add_row("curriculum levels", level_mix(m))
+        for k in KEY_METRICS:
+            if k in m and k not in head:
+                table.add_row(k, f"{m[k]:.4g}")
         spark = _sparkline(self.history[-40:])
-        return Group(self.progress, table, f"reward  {spark}") if m else Group(self.progress)
+        return Group(self.progress, f"reward  {spark}", table) if m else Group(self.progress)
 
     def step(self, step: int, metrics: dict) -> None:
         self.history.append(metrics.get("reward/mean", 0.0))
@@ -128,13 +131,17 @@ class Display:
             ]
             comps = [f"{k}={metrics[k]:.3g}" for k in _extra_keys(metrics)]
             mix = [f"levels=[{level_mix(metrics)}]"] if level_mix(metrics) else []
-            self.console.print(" ".join(parts + comps + mix), highlight=False, soft_wrap=True)
+            line = " ".join(parts + comps + mix)
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
+    # Text from the run (an exception quoting model output: "[/INST] 42") is printed as
+    # it is: read as rich markup it raised MarkupError mid-step, or vanished.
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {text}", highlight=False, soft_wrap=True)
+        line = Text.assemble(("warning:", "yellow"), " ", text)
+        self.console.print(line, highlight=False, soft_wrap=True)
 
     def info(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _sparkline(values: list[float]) -> str:

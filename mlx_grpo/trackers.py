@@ -32,6 +32,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -134,7 +135,7 @@ class _TensorBoard:
         meta = create_summary_metadata(display_name=tag, description="")
         return Summary.Value(tag=tag, metadata=meta, tensor=tensor)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -144,17 +145,26 @@ def _md_cell(value) -> str:
 
 
 def _wandb_mode() -> str:
-    """WANDB_MODE if set; online with an API key and a reachable server; else offline."""
+    """WANDB_MODE if set; online with an API key and a reachable server (WANDB_BASE_URL's,
+    for a W&B of one's own, else api.wandb.ai); else offline."""
+    from urllib.parse import urlsplit
+
     if mode := os.environ.get("WANDB_MODE"):
         return mode
+    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    port = url.port or (80 if url.scheme == "http" else 443)
     has_key = bool(os.environ.get("WANDB_API_KEY"))
     if not has_key:
-        netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-        has_key = netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="replace")
+        try:
+            netrc = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+            has_key = netrc.exists() and host in netrc.read_text(errors="replace")
+        except (OSError, RuntimeError):  # no home
+            has_key = False
     if not has_key:
         return "offline"
     try:
-        socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
+        socket.create_connection((host, port), timeout=3).close()
         return "online"
     except OSError:
         return "offline"
@@ -211,7 +221,7 @@ class _RunTracker:
             scalars = {**scalars, "samples": self.lib.Table(list(SAMPLE_COLUMNS), rows)}
         self.run.log(scalars, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.run.finish()
 
 
@@ -222,18 +232,33 @@ class _WandB(_RunTracker):
         self.lib = wandb
         mode = _wandb_mode()
         folder = run_dir / "wandb"
+
+        def start(mode: str):
+            return wandb.init(
+                project=os.environ.get("WANDB_PROJECT", PROJECT),
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
+                mode=mode,
+                settings=wandb.Settings(console="off", silent=True),
+            )
+
+        try:
+            self.run = start(mode)
+        except Exception:  # a key the server refuses, HTTPS blocked, its init timeout
+            if mode != "online":
+                raise
+            mode = "offline"  # the run goes on; `wandb sync` sends it later
+            self.run = start(mode)
+        # Offline, the steps this run's earlier offline parts hold; online, the server
+        # says (`below`): offline parts sent since are there, others are for `sync`.
         offline = sorted(folder.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-        self.held = {step for f in offline for step, _ in wandb_history(f)}
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", PROJECT),
-            name=run_dir.name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config=config,
-            mode=mode,
-            settings=wandb.Settings(console="off", silent=True),
-        )
+        if mode == "offline":
+            self.held = {step for f in offline for step, _ in wandb_history(f)}
+        else:
+            self.held = set()
         # Online, a resumed run's step counter starts after the server's last step.
         self.below = self.run.step
         self.where = {"dir": str(folder), "mode": mode, "id": run_id}
@@ -242,6 +267,9 @@ class _WandB(_RunTracker):
 
     def holds(self, step: int) -> bool:
         return step in self.held or step < self.below
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a crash shows as one in W&B
 
 
 class _Trackio(_RunTracker):
@@ -272,9 +300,10 @@ class Trackers:
     """The trackers of one run. With none asked for, every call does nothing and
     nothing is written."""
 
-    def __init__(self, run_dir: Path, names: list[str], config: dict):
+    def __init__(self, run_dir: Path, names: list[str], config: dict, warn=None):
         self.names = list(names)
         self.backends: dict = {}
+        self.warn = warn or (lambda text: print(f"warning: {text}", file=sys.stderr))
         if not self.names:
             return
         state_file = Path(run_dir) / STATE_FILE
@@ -297,19 +326,45 @@ class Trackers:
         """`metrics` (and `samples`, the step's samples.jsonl records) at `step`, to every
         tracker that does not hold this step yet."""
         scalars, rows = _scalars(metrics), _rows(samples or [])
-        for backend in self.backends.values():
-            if not backend.holds(step):
+        for name, backend in list(self.backends.items()):
+            if backend.holds(step):
+                continue
+            try:
                 backend.log(step, scalars, rows)
+            except Exception as e:  # a tracker's failure is not the run's
+                del self.backends[name]
+                self.warn(
+                    f"report_to {name}: logging step {step} failed ({_first_line(e)}); it "
+                    "is left out for the rest of the run (metrics.jsonl holds every step)"
+                )
+                try:
+                    backend.close(failed=True)
+                except Exception:
+                    pass
 
-    def close(self) -> None:
-        for backend in self.backends.values():
-            backend.close()
+    def close(self, failed: bool = False) -> None:
+        """Close every tracker (`failed`: the run ended by an error), each whatever the
+        others do."""
+        for name, backend in self.backends.items():
+            try:
+                backend.close(failed)
+            except Exception as e:
+                self.warn(f"report_to {name}: closing failed ({_first_line(e)})")
 
     def __enter__(self) -> Trackers:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        # Ctrl-C (Interrupted: saved, resumable) is no failure; anything else is.
+        self.close(failed=kind is not None and kind.__name__ not in _STOPPED)
+
+
+_STOPPED = ("Interrupted", "KeyboardInterrupt")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def run_history(run_dir: Path) -> list[tuple[int, dict, list[dict]]]:

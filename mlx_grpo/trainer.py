@@ -362,8 +362,8 @@ def train(
     check_ranks(cfg.train, dist)  # before the base evaluation, not after it
     if cfg.grpo.demo_starts and not recipe.multi_turn:
         raise TrainingError(f"grpo.demo_starts: recipe {recipe.name} is single-turn")
-    if not main:
-        say = _silent
+    if not main:  # (rank 0 speaks for the run)
+        say = info = _silent
     run = RunFolder(run_dir)
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
     # A run stopped before its first checkpoint keeps what it had done (the base
@@ -381,7 +381,9 @@ def train(
     if counters.beta is None or cfg.grpo.kl_target is None:  # new, older, or a fixed beta
         counters.beta = cfg.grpo.beta
     made = []  # rank 0's trackers (their files, a wandb login): a failure stops every rank
-    dist.run_on_main(lambda: made.append(Trackers(run_dir, cfg.output.report_to, cfg.model_dump())))
+    dist.run_on_main(
+        lambda: made.append(Trackers(run_dir, cfg.output.report_to, cfg.model_dump(), say))
+    )
     trackers = made[0] if made else Trackers(run_dir, [], cfg.model_dump())
     if trackers.names:
         info(f"report_to: {trackers.where()}")

@@ -222,3 +222,113 @@ def test_a_missing_tracker_fails_in_one_line_naming_its_extra(monkeypatch):
     with pytest.raises(TrackerError, match=r"pip install 'mlx-grpo\[wandb\]'") as e:
         require(["wandb"])
     assert "\n" not in str(e.value)
+
+
+class _Fake:
+    """A tracker backend that records, and fails where told to."""
+
+    def __init__(self, fail_log=False, fail_close=False):
+        self.logged, self.closed = [], []
+        self.fail_log, self.fail_close = fail_log, fail_close
+
+    def holds(self, step):
+        return False
+
+    def log(self, step, scalars, rows):
+        if self.fail_log:
+            raise ConnectionError("wandb service is gone\nmore")
+        self.logged.append(step)
+
+    def close(self, failed=False):
+        self.closed.append(failed)
+        if self.fail_close:
+            raise OSError(28, "No space left on device")
+
+
+def test_a_tracker_that_fails_is_left_out_and_the_run_goes_on(tmp_path):
+    """One backend's error (a dead W&B service, a full disk under TensorBoard) is a
+    warning; the others log on, every one closes, and a crash is closed as one."""
+    from mlx_grpo.trackers import Trackers
+
+    said = []
+    trackers = Trackers(tmp_path, [], {}, warn=said.append)
+    bad, good, closing = _Fake(fail_log=True), _Fake(), _Fake(fail_close=True)
+    trackers.backends = {"wandb": bad, "tensorboard": good, "trackio": closing}
+    trackers.log(1, {"reward/mean": 0.5})
+    trackers.log(2, {"reward/mean": 0.6})
+    assert list(trackers.backends) == ["tensorboard", "trackio"] and good.logged == [1, 2]
+    assert said == [
+        "report_to wandb: logging step 1 failed (ConnectionError: wandb service is gone); "
+        "it is left out for the rest of the run (metrics.jsonl holds every step)"
+    ]
+    assert bad.closed == [True]
+    with pytest.raises(ValueError), trackers:
+        raise ValueError("a crash")
+    assert good.closed == [True] and closing.closed == [True]  # each closed, as failed
+    assert (
+        said[-1]
+        == "report_to trackio: closing failed (OSError: [Errno 28] No space left on device)"
+    )
+
+    class Interrupted(Exception):  # the trainer's Ctrl-C: saved, resumable, no failure
+        pass
+
+    with pytest.raises(Interrupted), trackers:
+        raise Interrupted
+    assert good.closed == [True, False]
+
+
+def test_a_warning_that_quotes_model_output_is_printed_as_it_is(capsys):
+    """ "[/INST] 42" read as rich markup raised MarkupError mid-step; "[answer]" vanished."""
+    from mlx_grpo.log import Display
+
+    display = Display(3, 0, "off", "t")
+    display.warn("reward raised: invalid literal for int(): '[/INST] 42' [answer]")
+    display.info("the reply was [bold]")
+    out = capsys.readouterr().out
+    assert "warning: reward raised: invalid literal for int(): '[/INST] 42' [answer]" in out
+    assert "the reply was [bold]" in out
+
+
+def test_a_wandb_login_that_fails_online_goes_on_offline(tmp_path, monkeypatch):
+    """A key the server refuses, HTTPS blocked, its init timeout: the run logs offline
+    (and says where to sync from) instead of stopping after the model loaded."""
+    wandb = pytest.importorskip("wandb")
+    from types import SimpleNamespace
+
+    from mlx_grpo import trackers as tr
+
+    modes = []
+
+    def init(**kw):
+        modes.append(kw["mode"])
+        if kw["mode"] == "online":
+            raise wandb.errors.CommError("401: user is not logged in")
+        return SimpleNamespace(step=0, log=lambda *a, **k: None, finish=lambda **k: None)
+
+    monkeypatch.setattr(tr, "_wandb_mode", lambda: "online")
+    monkeypatch.setattr(wandb, "init", init)
+    backend = tr._WandB(tmp_path, "abcd1234", {})
+    assert modes == ["online", "offline"] and backend.where["mode"] == "offline"
+    assert backend.where["sync"].startswith("wandb sync ")
+
+
+def test_a_wandb_of_ones_own_is_where_the_key_and_the_server_are_looked_for(tmp_path, monkeypatch):
+    from mlx_grpo import trackers as tr
+
+    tried = []
+
+    def connect(address, timeout):
+        tried.append(address)
+        raise OSError("unreachable")
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.example.org:8080")
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine wandb.example.org login user password k\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setattr(tr.socket, "create_connection", connect)
+    assert tr._wandb_mode() == "offline" and tried == [("wandb.example.org", 8080)]
+    netrc.write_text("machine api.wandb.ai login user password k\n")  # another server's key
+    assert tr._wandb_mode() == "offline" and len(tried) == 1
