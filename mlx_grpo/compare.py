@@ -425,7 +425,8 @@ def _without_broken_tasks(
             f"{' or '.join(sorted(INFRASTRUCTURE_FAILURES))} failed on every one of the "
             f"{len(pairs)} tasks: nothing left to compare"
         )
-    kept = {s: [r for r in results[s] if r.id not in set(broken)] for s in "ab"}
+    out = set(broken)
+    kept = {s: [r for r in results[s] if r.id not in out] for s in "ab"}
     return kept, broken
 
 

@@ -14,11 +14,13 @@ never in the loss.
 
 from __future__ import annotations
 
-import errno
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
+
+from mlx_grpo.durable import FULL_DISK
+from mlx_grpo.recipe import first_line
 
 
 class EnvError(RuntimeError):
@@ -31,11 +33,6 @@ class EnvError(RuntimeError):
         self.prompt = prompt
 
 
-def _said(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
-
-
 def env_call(what: str, fn, *args):
     """`fn(*args)` (an environment's reset or step), its exception as one EnvError line;
     a full disk and a lack of memory pass as they are (the machine's, with advice of
@@ -45,9 +42,9 @@ def env_call(what: str, fn, *args):
     except (EnvError, MemoryError):
         raise
     except Exception as e:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(e, OSError) and e.errno in FULL_DISK:
             raise
-        raise EnvError(f"{what} raised {_said(e)}") from e
+        raise EnvError(f"{what} raised {first_line(e)}") from e
 
 
 class StepResult(NamedTuple):

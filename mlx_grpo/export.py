@@ -508,7 +508,9 @@ def _model_config(name: str) -> dict | None:
         return None
 
 
-def _write_peft(run: Run, tmp: Path, out: Path, base_model: str | None, dtype: str, repo_id):
+def _write_peft(
+    run: Run, tmp: Path, out: Path, base_model: str | None, dtype: str, repo_id, lic: License
+):
     """The PEFT export into `tmp`, which becomes `out` (base/ is named by its final path)."""
     name = run.config.model.path
     cfg = _model_config(name)
@@ -533,7 +535,6 @@ def _write_peft(run: Run, tmp: Path, out: Path, base_model: str | None, dtype: s
     peft_cfg = peft_config(run, base_ref, num_layers)
     (tmp / "adapter_config.json").write_text(json.dumps(peft_cfg, indent=2) + "\n")
     files = ["adapter_config.json", "adapter_model.safetensors", "README.md"]
-    lic = base_license(name)
     if base is not None:
         base_dtype = "float32" if dtype == "auto" else dtype
         save_hf(base, tmp / "base", base_dtype)
@@ -598,10 +599,11 @@ def export(
     except OSError as e:
         raise ExportError(f"--out: cannot write in {out.parent} ({e.strerror})") from None
     try:
+        lic = base_license(name)
         if fmt == "peft":
-            files, upload = _write_peft(run, tmp, out, base_model, dtype, repo_id), out
+            files, upload = _write_peft(run, tmp, out, base_model, dtype, repo_id, lic), out
         elif fmt == "merged":
-            base, lic = fuse(load_base(name), run), base_license(name)
+            base = fuse(load_base(name), run)
             save_hf(base, tmp / "hf", model_dtype)
             card = model_card(
                 "merged", name, base.quantized, run, repo_id=repo_id, dtype=model_dtype,
@@ -615,7 +617,7 @@ def export(
                 lic.copy_to(folder)
             files, upload = ["hf/", "mlx/"], out / "hf"
         else:
-            base, lic = load_base(name), base_license(name)
+            base = load_base(name)
             save_hf(base, tmp, model_dtype)
             card = model_card(
                 "base", name, base.quantized, repo_id=repo_id, dtype=model_dtype, license=lic.id

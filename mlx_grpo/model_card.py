@@ -154,7 +154,8 @@ def _caveat(kind: str, name: str, quantized: bool, dtype: str = "float32") -> st
     if not quantized:
         return ""
     # Every quantized value is exact in float32; 16-bit floats round many of them.
-    exactly = "exactly (no re-rounding)" if dtype == "float32" else f"and rounded to {dtype}"
+    exact = dtype == "float32"
+    how = "exactly" if exact else f"and rounded to {dtype}"
     what = "the Q4_1 GGUF weights" if name == "default" else "the quantized weights"
     origin = f"{what} of `{hub_id(name) or name}`"
     why = (
@@ -165,13 +166,14 @@ def _caveat(kind: str, name: str, quantized: bool, dtype: str = "float32") -> st
         "peft": f"Training ran on {origin}. Load this adapter onto those weights, "
         "dequantized (shipped here in `base/` unless the card names another base), not "
         f"onto the original full-precision model: {why}",
-        "base": f"These are {origin}, dequantized {exactly}: the base that a "
+        "base": f"These are {origin}, dequantized {how}{' (no re-rounding)' * exact}: the "
+        "base that a "
         "PEFT adapter trained on the quantized model by mlx-grpo loads onto. They are "
         "not the original full-precision weights; an adapter trained on those quantized "
         f"weights should be used with these, not with the original model: {why}",
     }.get(
         kind,
-        f"The fused weights are {origin}, dequantized {exactly.split(' (')[0]}, plus the "
+        f"The fused weights are {origin}, dequantized {how}, plus the "
         "trained adapter; "
         "they are not the original full-precision model plus the adapter. Re-quantizing "
         "them adds a new rounding error.",

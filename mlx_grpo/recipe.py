@@ -387,7 +387,7 @@ def load_function(spec: str, folder: Path, field_name: str = "reward"):
             module = importlib.import_module(target)
         except Exception as e:  # not found, or a module that fails as it imports
             raise ConfigError(
-                f"recipe.rewards.{field_name}: cannot import {target}: {_first_line(e)}"
+                f"recipe.rewards.{field_name}: cannot import {target}: {first_line(e)}"
             ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -427,11 +427,11 @@ def _import_path(path: Path, mod_name: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
-        raise ConfigError(f"recipe: {_where(e, path)}: {_first_line(e)}") from None
+        raise ConfigError(f"recipe: {_where(e, path)}: {first_line(e)}") from None
     return module
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: BaseException) -> str:
     """'SyntaxError: invalid syntax', 'ModuleNotFoundError: No module named 'x''."""
     text = (e.msg if isinstance(e, SyntaxError) else str(e)).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")

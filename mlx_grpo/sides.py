@@ -156,9 +156,9 @@ def _freeze(folder: Path, opt: str, run: bool = True) -> Path:
     copy = tmp / name
     try:
         copy.mkdir()
-        for name in names:
-            if (folder / name).exists() or name in needed:
-                shutil.copyfile(folder / name, copy / name)
+        for file in names:
+            if (folder / file).exists() or file in needed:
+                shutil.copyfile(folder / file, copy / file)
     except FileNotFoundError:
         raise CompareError(
             f"{opt}: {folder} was removed while being read (a training run pruned it); "

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_grpo.durable import read_jsonl, write_atomic
+from mlx_grpo.recipe import first_line
 from mlx_grpo.runfolder import RunFolder
 
 STATE_FILE = "trackers.json"
@@ -334,7 +335,7 @@ class Trackers:
             except Exception as e:  # a tracker's failure is not the run's
                 del self.backends[name]
                 self.warn(
-                    f"report_to {name}: logging step {step} failed ({_first_line(e)}); it "
+                    f"report_to {name}: logging step {step} failed ({first_line(e)}); it "
                     "is left out for the rest of the run (metrics.jsonl holds every step)"
                 )
                 try:
@@ -349,7 +350,7 @@ class Trackers:
             try:
                 backend.close(failed)
             except Exception as e:
-                self.warn(f"report_to {name}: closing failed ({_first_line(e)})")
+                self.warn(f"report_to {name}: closing failed ({first_line(e)})")
 
     def __enter__(self) -> Trackers:
         return self
@@ -360,11 +361,6 @@ class Trackers:
 
 
 _STOPPED = ("Interrupted", "KeyboardInterrupt")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def run_history(run_dir: Path) -> list[tuple[int, dict, list[dict]]]:

@@ -48,6 +48,7 @@ class Judge:
         self.labels = labels
         self.batch_size = batch_size
         self.max_tokens = max_tokens
+        self._specials = self._special_strings(self.tokenizer)
         self.yes = self._first_token("Yes")
         self.no = self._first_token("No")
         if self.yes == self.no:
@@ -67,10 +68,10 @@ class Judge:
             text = text.replace(special, special[0] + "\u200b" + special[1:])
         return text
 
-    @property
-    def _specials(self) -> list[str]:
-        """The special tokens' strings (mlx_lm's wrapper passes the HF tokenizer's on)."""
-        tok = self.tokenizer
+    @staticmethod
+    def _special_strings(tok) -> list[str]:
+        """The special tokens' strings, longest first (mlx_lm's wrapper passes the HF
+        tokenizer's on)."""
         found = set(getattr(tok, "all_special_tokens", []))
         added = getattr(tok, "added_tokens_decoder", {}).values()
         found |= {t.content for t in added if getattr(t, "special", False)}
