@@ -59,6 +59,32 @@ def _fast_exp_vjp(primals, cotangent, output):
     return cotangent * output
 
 
+def _swiglu_kernel(gate: mx.array, x: mx.array) -> mx.array:
+    # silu(gate) * x = gate * x / (1 + e^-gate); past e^-gate = inf (gate below about
+    # -88) the quotient is 0, as silu's true value rounds to there.
+    return gate * x / (1.0 + _exp_kernel(-gate))
+
+
+def _swiglu_grad_kernel(gate: mx.array, x: mx.array, cotangent: mx.array):
+    s = 1.0 / (1.0 + _exp_kernel(-gate))  # sigmoid(gate)
+    gs = gate * s
+    return cotangent * x * (s + gs * (1.0 - s)), cotangent * gs
+
+
+_swiglu_compiled = mx.compile(_swiglu_kernel)
+_swiglu_grad_compiled = mx.compile(_swiglu_grad_kernel)
+
+
+@mx.custom_function
+def _fast_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    return _swiglu_compiled(gate, x)
+
+
+@_fast_swiglu.vjp
+def _fast_swiglu_vjp(primals, cotangent, output):
+    return _swiglu_grad_compiled(*primals, cotangent)
+
+
 def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
@@ -68,6 +94,17 @@ def exp(x: mx.array) -> mx.array:
     if not _on_cpu() or x.dtype != mx.float32:
         return mx.exp(x)
     return _fast_exp(x)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x, the gated MLP's activation (mlx_lm's `swiglu`), with `exp`: MLX's
+    CPU sigmoid is scalar too (about 18 ns a float: 30 of them cost a decode step 14 ms
+    at 16 rows). On a GPU, or in another dtype, it is mlx_lm's own."""
+    if not _on_cpu() or gate.dtype != mx.float32 or x.dtype != mx.float32:
+        from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+        return mlx_lm_swiglu(gate, x)
+    return _fast_swiglu(gate, x)
 
 
 def log_softmax(x: mx.array) -> mx.array:

@@ -13,6 +13,7 @@ from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import dequantize_model, load
 
+from mlx_grpo import fastmath
 from mlx_grpo.config import LoRAConfig, ModelConfig
 
 DEFAULT_MODEL = "default"
@@ -84,7 +85,43 @@ def load_model(cfg: ModelConfig):
             )
         )
     mx.eval(model.parameters())
+    use_fast_swiglu(model)
     return model, tokenizer
+
+
+def _swiglu_mlps() -> tuple[type, ...]:
+    """mlx_lm's gated MLPs whose call is exactly down(swiglu(gate(x), up(x)))."""
+    from mlx_lm.models import llama, qwen2, qwen3
+
+    return llama.MLP, qwen2.MLP, qwen3.MLP
+
+
+_FAST_MLPS: dict[type, type] = {}
+
+
+def _fast_mlp_class(cls: type) -> type:
+    if cls not in _FAST_MLPS:
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return self.down_proj(fastmath.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+        _FAST_MLPS[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _FAST_MLPS[cls]
+
+
+def use_fast_swiglu(model: nn.Module) -> int:
+    """Give every block's gated MLP `fastmath.swiglu` in place of mlx_lm's (whose sigmoid
+    is scalar on MLX's CPU backend); returns how many MLPs changed. The module keeps
+    its class's name, its children and so its parameter names (adapters, checkpoints
+    and exports are unchanged); on a GPU `fastmath.swiglu` is mlx_lm's."""
+    plain = _swiglu_mlps()
+    n = 0
+    for layer in getattr(model, "layers", []):
+        mlp = getattr(layer, "mlp", None)
+        if type(mlp) in plain:
+            mlp.__class__ = _fast_mlp_class(type(mlp))
+            n += 1
+    return n
 
 
 def lora_parameters(cfg: LoRAConfig) -> dict:

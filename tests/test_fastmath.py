@@ -146,3 +146,38 @@ def test_uniform_rows_are_each_keys_own_uniform():
     rows = np.array(fastmath.uniform_rows(keys))[:, 0]
     alone = [mx.random.uniform(shape=(1,), key=keys[i]).item() for i in range(7)]
     assert rows.tolist() == alone
+
+
+def test_swiglu_and_its_gradient_match_float64():
+    """silu(g) x = g x / (1 + e^-g). Budget, relative: e^-g as exp's (12 + ln2 |t|) unit
+    roundoffs with t = -g log2(e), so 12 + |g| (1 / (1 + e) passes at most the relative
+    error of e on), and one each for the add, the division and two products: 16 + |g|.
+    The gradient's terms (x s (1 + g (1 - s)) and g s) take about twice that, relative
+    to the sum of their terms' magnitudes (they cancel near g = -1.28). Below g = -88
+    e^-g is inf and the result 0, within 1e-30 of the true value."""
+    rng = np.random.default_rng(3)
+    g = np.concatenate([np.linspace(-100.0, 100.0, 20_001), rng.normal(0, 4, 20_000)])
+    g = g.astype(np.float32)
+    x = rng.normal(size=g.shape).astype(np.float32)
+    c = rng.normal(size=g.shape).astype(np.float32)
+    got = np.array(fastmath.swiglu(mx.array(g), mx.array(x)), np.float64)
+    g64, x64, c64 = (a.astype(np.float64) for a in (g, x, c))
+    s = 1.0 / (1.0 + np.exp(-g64))
+    want = g64 * s * x64
+    bound = (16 + np.abs(g64)) * EPS32 * np.abs(want) + 1e-30
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+    dg, dx = mx.grad(lambda a, b: (fastmath.swiglu(a, b) * mx.array(c)).sum(), argnums=(0, 1))(
+        mx.array(g), mx.array(x)
+    )
+    want_dg = c64 * x64 * (s + g64 * s * (1 - s))
+    size_dg = np.abs(c64 * x64) * (s + np.abs(g64) * s * (1 - s))
+    assert np.all(
+        np.abs(np.array(dg, np.float64) - want_dg)
+        <= (32 + 2 * np.abs(g64)) * EPS32 * size_dg + 1e-30
+    )
+    want_dx = c64 * g64 * s
+    assert np.all(
+        np.abs(np.array(dx, np.float64) - want_dx)
+        <= (16 + np.abs(g64)) * EPS32 * np.abs(want_dx) + 1e-30
+    )

@@ -30,7 +30,13 @@ from mlx_grpo.logprobs import (
     _splittable,
     completion_logprobs,
 )
-from mlx_grpo.models import adapters_disabled, adapters_folded, apply_lora, trainable_count
+from mlx_grpo.models import (
+    adapters_disabled,
+    adapters_folded,
+    apply_lora,
+    trainable_count,
+    use_fast_swiglu,
+)
 
 # ---------------------------------------------------------------- advantages
 
@@ -671,6 +677,39 @@ def test_folded_adapters_sample_the_same_policy_and_unfold_exactly(tiny):
     model.set_dtype(mx.bfloat16)  # 16-bit weights would round the update away
     with adapters_folded(model):
         assert any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+
+
+def test_fast_swiglu_keeps_the_model_its_parameters_and_gradients(tiny):
+    """use_fast_swiglu changes how each block's MLP computes silu(gate) * up, nothing
+    else: the parameter names stay (adapters, checkpoints), and logits and LoRA gradients
+    are mlx_lm's up to float32 rounding (the activation itself is within (16 + |g|)
+    unit roundoffs, test_fastmath; the reductions after it are the same)."""
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=2)
+    _randomize_lora_b(model)
+    x = mx.array([[5, 6, 7, 8, 9, 10, 11]])
+    names = [k for k, _ in tree_flatten(model.parameters())]
+
+    def loss(m):
+        return nn.log_softmax(m(x), axis=-1)[0, :, 3].sum()
+
+    ref_logits = model(x)
+    ref_loss, ref_grads = nn.value_and_grad(model, loss)(model)
+    assert use_fast_swiglu(model) == len(model.layers)
+    assert all(
+        type(layer.mlp).__call__ is not type(layer.mlp).__mro__[1].__call__
+        for layer in model.layers
+    )
+    assert [k for k, _ in tree_flatten(model.parameters())] == names
+    fast_loss, fast_grads = nn.value_and_grad(model, loss)(model)
+    n = tiny_additions(vars(model.args))
+    assert_f32_close(model(x), ref_logits, n, "logits")
+    assert_f32_close(fast_loss, ref_loss, n, "loss")
+    ref_g, fast_g = dict(tree_flatten(ref_grads)), dict(tree_flatten(fast_grads))
+    assert ref_g.keys() == fast_g.keys() and ref_g
+    for k in ref_g:
+        assert_f32_close(fast_g[k], ref_g[k], n, k)
+    assert use_fast_swiglu(model) == 0  # already done: nothing left to change
 
 
 def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch):
