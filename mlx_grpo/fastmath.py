@@ -1,4 +1,4 @@
-"""`exp` and categorical sampling for the vocabulary-wide work, fast on CPUs too.
+"""`exp`, categorical sampling and the gated MLP's `swiglu`, fast on CPUs too.
 
 MLX 0.32's CPU backend evaluates `mx.exp` one element at a time: on x86 it costs about
 12 ns a float, 20x NumPy's time, and an exp over [rows, 49152] logits costs more than
@@ -7,6 +7,9 @@ range reduction and degree-6 polynomial for 2^f, so the same accuracy), written 
 arithmetic that the compiler vectorises, and compiled into one kernel: about 8x faster
 on a CPU. Its gradient is the output itself, as for `mx.exp`. On a GPU both are one
 kernel, and `exp` is `mx.exp`.
+
+`swiglu` (silu(gate) * x) takes its sigmoid from `exp`: MLX's CPU sigmoid is scalar as
+well.
 
 `categorical` draws by the inverse CDF: one exp, one cumulative sum and one uniform
 number per row, where `mx.random.categorical` takes a uniform number and two logs per
