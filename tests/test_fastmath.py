@@ -181,3 +181,13 @@ def test_swiglu_and_its_gradient_match_float64():
         np.abs(np.array(dx, np.float64) - want_dx)
         <= (16 + np.abs(g64)) * EPS32 * np.abs(want_dx) + 1e-30
     )
+
+
+def test_swiglu_in_16_bits_is_mlx_lms_own():
+    from mlx_lm.models.activations import swiglu
+
+    g = mx.array(np.linspace(-8, 8, 257, dtype=np.float32)).astype(mx.bfloat16)
+    x = mx.array(np.random.default_rng(4).normal(size=257).astype(np.float32)).astype(mx.bfloat16)
+    got = fastmath.swiglu(g, x)
+    assert got.dtype == mx.bfloat16
+    assert mx.array_equal(got, swiglu(g, x)).item()
