@@ -10,7 +10,11 @@ without them would leave MLX on its own BLAS while named as the one in use), the
 every BLAS/LAPACK routine MLX calls and checks the numbers against numpy in float64;
 the verdict is cached under the cache directory, keyed by the library file, the CPU,
 the thread count and OPENBLAS_CORETYPE (which forces a kernel family). The first
-candidate that passes is loaded. If none does, MLX keeps its own BLAS and one warning
+candidate that passes is loaded. A DYNAMIC_ARCH build that does not know this CPU's
+model falls back to kernels older than AVX (OpenBLAS 0.3.21 takes an Emerald Rapids
+Xeon for a Prescott: 34 GFLOP/s where its SkylakeX kernels give 200); there the family
+the CPU's flags allow is forced with OPENBLAS_CORETYPE, once that passes its probe too,
+unless OPENBLAS_CORETYPE is set already. If none does, MLX keeps its own BLAS and one warning
 line says why and what to install.
 
 Candidates, in order (README "Which BLAS"):
@@ -183,12 +187,14 @@ class Blas:
     path: str | None  # the library loaded (None: MLX's own)
     config: str = ""  # openblas_get_config()
     threads: int | None = None
+    coretype: str | None = None  # OPENBLAS_CORETYPE forced for it (see misdetected)
 
     def describe(self) -> str:
         if self.path is None:
             return "MLX built-in BLAS"
         config = " ".join(w for w in self.config.split() if w != "NO_AFFINITY")
-        return f"{config or 'BLAS'} ({self.name}, {self.threads} threads)"
+        forced = f", OPENBLAS_CORETYPE={self.coretype}" if self.coretype else ""
+        return f"{config or 'BLAS'} ({self.name}, {self.threads} threads{forced})"
 
 
 _state: dict[str, Blas | None] = {"blas": None}
@@ -392,6 +398,58 @@ def _locate(name: str) -> tuple[Path | None, str]:
     raise ValueError(name)
 
 
+# --------------------------------------------------------------------- kernel family
+
+# OpenBLAS's x86-64 kernel families without AVX (the corename table of its dynamic.c):
+# what a DYNAMIC_ARCH build falls back to on a CPU model newer than the build.
+PRE_AVX_CORES = frozenset(
+    "unknown katmai coppermine northwood prescott banias atom core2 penryn dunnington "
+    "nehalem athlon opteron opteron_sse3 barcelona nano bobcat".split()
+)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The first processor's feature flags (/proc/cpuinfo)."""
+    for line in _cpu_signature().splitlines():
+        if line.split(":")[0].strip().lower() in ("flags", "features"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def best_coretype(flags: frozenset[str]) -> str | None:
+    """The newest OpenBLAS x86-64 kernel family these CPU flags run, or None below AVX.
+
+    >>> best_coretype(frozenset("avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512cd".split()))
+    'SkylakeX'
+    >>> best_coretype(frozenset("sse4_2 avx avx2 fma".split())), best_coretype(frozenset(["sse3"]))
+    ('Haswell', None)
+    """
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return "Sandybridge" if "avx" in flags else None
+
+
+def misdetected(config: str, flags: frozenset[str], machine: str | None = None) -> str | None:
+    """The kernel family to force (OPENBLAS_CORETYPE) for a DYNAMIC_ARCH OpenBLAS whose
+    config names kernels older than AVX on a CPU whose flags allow AVX or newer; None
+    where it chose well, or is built for one target (which OPENBLAS_CORETYPE does not move).
+
+    >>> avx512 = frozenset("avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512cd".split())
+    >>> misdetected("OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Prescott MAX_THREADS=64", avx512, "x86_64")
+    'SkylakeX'
+    >>> misdetected("OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Cooperlake MAX_THREADS=64", avx512, "x86_64")
+    >>> misdetected("OpenBLAS 0.3.21 DYNAMIC_ARCH Prescott MAX_THREADS=64", frozenset(["sse3"]), "x86_64")
+    """
+    words = config.lower().split()
+    if (machine or platform.machine()) != "x86_64" or "dynamic_arch" not in words:
+        return None
+    if not any(w in PRE_AVX_CORES for w in words):
+        return None
+    return best_coretype(flags)
+
+
 # ----------------------------------------------------------------------------- probe
 
 
@@ -441,10 +499,11 @@ def _mlx_version() -> str:
     return " ".join([version, *ids])
 
 
-def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
+def probe(lib: Path, threads: int, use_cache: bool = True, coretype: str | None = None) -> dict:
     """Whether `lib` runs every BLAS/LAPACK routine MLX calls correctly on this CPU, found
-    in a child process (a crash there is a verdict, not a crash here). Returns
-    {"ok": bool, "reason": str, "config": str}; cached by file, CPU, MLX and threads."""
+    in a child process (a crash there is a verdict, not a crash here), with
+    OPENBLAS_CORETYPE=`coretype` when given. Returns {"ok": bool, "reason": str,
+    "config": str}; cached by file, CPU, MLX, threads and kernel family."""
     lib = Path(lib)
     try:
         real = lib.resolve()
@@ -463,7 +522,7 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
                 _mlx_version(),
                 threads,
                 sys.executable,
-                os.environ.get("OPENBLAS_CORETYPE"),
+                coretype or os.environ.get("OPENBLAS_CORETYPE"),
             ]
         ).encode()
     ).hexdigest()[:24]
@@ -482,7 +541,7 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
             and isinstance(verdict.get("config"), str)
         ):
             return {k: verdict[k] for k in ("ok", "reason", "config")}
-    verdict = _run_probe(lib, threads)
+    verdict = _run_probe(lib, threads) if coretype is None else _run_probe(lib, threads, coretype)
     if use_cache and not verdict.pop("transient", False):
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
@@ -494,8 +553,10 @@ def probe(lib: Path, threads: int, use_cache: bool = True) -> dict:
     return verdict
 
 
-def _run_probe(lib: Path, threads: int) -> dict:
+def _run_probe(lib: Path, threads: int, coretype: str | None = None) -> dict:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
+    if coretype is not None:
+        env["OPENBLAS_CORETYPE"] = coretype
     try:
         done = subprocess.run(
             [sys.executable, "-c", PROBE, str(lib), str(threads), ",".join(MLX_BLAS_SYMBOLS)],
@@ -571,16 +632,20 @@ def choose(env=os.environ) -> tuple[Blas, str | None]:
     order = [n for n in NAMES if n != "builtin"]
     if forced == "builtin" or env.get("MLX_GRPO_NO_OPENBLAS"):  # the latter: older name
         return Blas("builtin", None), None
-    blas, warning = _first_that_works(forced, order, threads, problems)
+    blas, warning = _first_that_works(
+        forced, order, threads, problems, coretype_given=bool(env.get("OPENBLAS_CORETYPE"))
+    )
     lines = [w for w in (_threads_warning(env), warning) if w]
     return blas, "\n".join(lines) or None
 
 
 def _first_that_works(
-    forced: str, order: list[str], threads: int, problems: list[str]
+    forced: str, order: list[str], threads: int, problems: list[str], coretype_given=False
 ) -> tuple[Blas, str | None]:
     """`choose`'s walk through the candidates, the forced one first, and its one warning
-    line; `problems` may already hold one (a misspelt name), said on the same line."""
+    line; `problems` may already hold one (a misspelt name), said on the same line.
+    Unless OPENBLAS_CORETYPE is given, a candidate that took this CPU for one without
+    AVX is probed again with the family its flags allow, and used so if that passes."""
     if forced in order:
         order.remove(forced)
         order.insert(0, forced)
@@ -598,6 +663,17 @@ def _first_that_works(
         if not verdict["ok"]:
             problems.append(f"{label}: {verdict['reason']}")
             continue
+        coretype = None if coretype_given else misdetected(verdict["config"], cpu_flags())
+        if coretype is not None:
+            again = probe(lib, threads, coretype=coretype)
+            if again["ok"]:
+                verdict = again
+            else:  # still correct, only slow: used as detected, with a word
+                problems.append(
+                    f"{label}: runs pre-AVX kernels on this CPU, and with "
+                    f"OPENBLAS_CORETYPE={coretype} {again['reason']}"
+                )
+                coretype = None
         cap = max_threads(verdict["config"])
         # (64 is the usual builds' cap: past 64 cores every candidate has it, and it is
         # no reason to pass one over)
@@ -605,7 +681,7 @@ def _first_that_works(
             capped = capped or Blas(name, str(lib), verdict["config"], cap)
             problems.append(f"{label}: built for at most {cap} threads")
             continue
-        blas = Blas(name, str(lib), verdict["config"], min(threads, cap or threads))
+        blas = Blas(name, str(lib), verdict["config"], min(threads, cap or threads), coretype)
         break
     else:
         blas = capped or Blas("builtin", None)
@@ -620,19 +696,24 @@ def _first_that_works(
     return blas, None
 
 
-def _load(path: str, threads: int) -> ctypes.CDLL:
-    """Load the library globally with `threads` threads. The environment holds the count
-    only while it loads, so that its constructor starts the threads the probe ran with,
-    not one per core (too many under a pids limit)."""
-    before = os.environ.get("OPENBLAS_NUM_THREADS")
-    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+def _load(path: str, threads: int, coretype: str | None = None) -> ctypes.CDLL:
+    """Load the library globally with `threads` threads (and OPENBLAS_CORETYPE=`coretype`
+    when given). The environment holds them only while it loads, so that its constructor
+    starts the threads the probe ran with, not one per core (too many under a pids
+    limit), and picks the kernels the probe checked."""
+    wanted = {"OPENBLAS_NUM_THREADS": str(threads)}
+    if coretype is not None:
+        wanted["OPENBLAS_CORETYPE"] = coretype
+    before = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
     try:
         lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
     finally:
-        if before is None:
-            os.environ.pop("OPENBLAS_NUM_THREADS", None)
-        else:
-            os.environ["OPENBLAS_NUM_THREADS"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     _set_threads(lib, threads)
     return lib
 
@@ -653,7 +734,7 @@ def use_fast_blas() -> Blas | None:
         try:
             # Set through the library, not the environment: processes this one starts
             # (an `mlx.launch` job, say) choose their own share.
-            _load(blas.path, blas.threads or 1)
+            _load(blas.path, blas.threads or 1, blas.coretype)
         except OSError as e:  # removed between the probe and now
             warning, blas = (
                 f"{blas.path} could not be loaded ({e}); using MLX's built-in BLAS",

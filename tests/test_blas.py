@@ -459,3 +459,88 @@ def test_a_cpu_quota_is_found_under_cgroup_v1_and_v2(tmp_path):
     assert _blas.cpu_quota(v2, own) == 1.5
     (v2 / "cpu.max").write_text("50000 100000\n")  # the namespace's root, tighter
     assert _blas.cpu_quota(v2, own) == 0.5
+
+
+AVX512 = frozenset("sse3 avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512cd".split())
+
+
+@pytest.mark.parametrize("coretype_given", [False, True])
+def test_a_build_that_takes_this_cpu_for_a_pre_avx_one_gets_the_kernels_its_flags_allow(
+    monkeypatch, tmp_path, coretype_given
+):
+    """OpenBLAS 0.3.21 (DYNAMIC_ARCH) takes an Emerald Rapids Xeon (family 6, model 207)
+    for a Prescott: its GEMMs then run at a sixth of their speed. The family the flags
+    allow is probed and loaded instead, unless OPENBLAS_CORETYPE was given."""
+    lib = tmp_path / "libopenblas.so.0"
+    libs = {"system": lib, "scipy-openblas32": None, "cmeel-openblas": None}
+    probed = []
+
+    def fake_probe(path, threads, coretype=None):
+        probed.append(coretype)
+        core = coretype or "Prescott"
+        return {
+            "ok": True,
+            "reason": "",
+            "config": f"OpenBLAS 0.3.21 DYNAMIC_ARCH {core} MAX_THREADS=64",
+        }
+
+    monkeypatch.setattr(_blas, "_locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
+    monkeypatch.setattr(_blas, "probe", fake_probe)
+    monkeypatch.setattr(_blas, "cpu_flags", lambda: AVX512)
+    env = {"OPENBLAS_NUM_THREADS": "2"} | (
+        {"OPENBLAS_CORETYPE": "Prescott"} if coretype_given else {}
+    )
+    blas, warning = _blas.choose(env)
+    assert warning is None and blas.name == "system"
+    if coretype_given:  # the user's choice stands
+        assert (probed, blas.coretype) == ([None], None) and "Prescott" in blas.config
+    else:
+        assert (probed, blas.coretype) == ([None, "SkylakeX"], "SkylakeX")
+        assert "SkylakeX" in blas.config and "OPENBLAS_CORETYPE=SkylakeX" in blas.describe()
+
+
+def test_a_forced_kernel_family_that_fails_its_probe_leaves_the_detected_one(monkeypatch, tmp_path):
+    lib = tmp_path / "libopenblas.so.0"
+    libs = {"system": lib, "scipy-openblas32": None, "cmeel-openblas": None}
+
+    def fake_probe(path, threads, coretype=None):
+        if coretype:
+            return {"ok": False, "reason": "its probe was killed by SIGILL", "config": ""}
+        return {"ok": True, "reason": "", "config": "OpenBLAS DYNAMIC_ARCH Prescott MAX_THREADS=64"}
+
+    monkeypatch.setattr(_blas, "_locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
+    monkeypatch.setattr(_blas, "probe", fake_probe)
+    monkeypatch.setattr(_blas, "cpu_flags", lambda: AVX512)
+    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})
+    assert (blas.name, blas.coretype) == ("system", None)
+    assert warning.startswith(
+        "system: runs pre-AVX kernels on this CPU, and with OPENBLAS_CORETYPE=SkylakeX its probe "
+        "was killed by SIGILL; using OpenBLAS DYNAMIC_ARCH Prescott"
+    )
+
+
+def test_the_kernel_family_is_set_while_the_library_loads_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        _blas.ctypes, "CDLL", lambda path, mode: seen.append(os.environ.get("OPENBLAS_CORETYPE"))
+    )
+    monkeypatch.setattr(_blas, "_set_threads", lambda lib, n: None)
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    _blas._load("/x/libopenblas.so", 2, "SkylakeX")
+    _blas._load("/x/libopenblas.so", 2)
+    assert seen == ["SkylakeX", None] and "OPENBLAS_CORETYPE" not in os.environ
+
+
+@linux_only
+def test_the_probe_runs_the_kernel_family_it_is_given(tmp_path, monkeypatch):
+    """The re-probe reaches the library's own kernel choice: the system OpenBLAS, forced
+    to the family this CPU's flags allow, reports that family and passes."""
+    lib, _ = _blas._locate("system")
+    want = _blas.best_coretype(_blas.cpu_flags()) if platform.machine() == "x86_64" else None
+    if lib is None or want is None:
+        pytest.skip("needs the system OpenBLAS on an x86-64 CPU with AVX")
+    verdict = _blas.probe(lib, 1, coretype=want)
+    if "DYNAMIC_ARCH" not in verdict["config"]:
+        pytest.skip("the system OpenBLAS is built for one target")
+    assert verdict["ok"], verdict["reason"]
+    assert want.lower() in verdict["config"].lower().split()
