@@ -150,3 +150,167 @@ def categorical(
         u = mx.random.uniform(shape=total.shape, key=key)
     picked = mx.minimum((c <= u * total).sum(axis=-1), (c < total).sum(axis=-1))
     return picked.astype(mx.uint32)
+
+
+# ---- attention ----------------------------------------------------------------------
+
+# Score floats per block of query rows: [B, H, rows, keys] blocks of about 4 MB stay out
+# of glibc's mmap'd allocations (every fresh one of those pays its page faults), and the
+# blocks of a causal pass skip the keys above their last row.
+ATTENTION_BLOCK_FLOATS = 1 << 20
+
+_exp_shifted = mx.compile(lambda s, m: _exp_kernel(s - m))
+
+
+def _blocks(b: int, hq: int, n_q: int, n_k: int, causal: bool):
+    """(batch rows, query rows, keys seen) of each block, batch-major: a block holds at
+    most ATTENTION_BLOCK_FLOATS scores, whole batch rows together when their queries all
+    fit. Under a causal mask the queries are the last n_q of n_k positions, so a block
+    sees keys up to its own last query only."""
+    per_row = hq * n_k  # score floats of one query row of one batch row
+    rows = max(1, ATTENTION_BLOCK_FLOATS // per_row)
+    if rows >= n_q:
+        batch = max(1, ATTENTION_BLOCK_FLOATS // (per_row * n_q))
+        for b0 in range(0, b, batch):
+            yield slice(b0, min(b, b0 + batch)), 0, n_q, n_k
+        return
+    for b0 in range(b):
+        for i0 in range(0, n_q, rows):
+            i1 = min(n_q, i0 + rows)
+            yield slice(b0, b0 + 1), i0, i1, (n_k - n_q + i1) if causal else n_k
+
+
+def _grouped_mask(mask: mx.array, hkv: int, rep: int) -> mx.array:
+    """A mask broadcastable to [B, Hq, Lq, Lk] as one broadcastable to the grouped scores
+    [B, Hkv, rep, Lq, Lk]."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    b, h = mask.shape[:2]
+    if h == 1:
+        return mask[:, :, None]
+    return mask.reshape(b, hkv, rep, *mask.shape[2:])
+
+
+def _block_scores(qg, k, mask, causal, rows, i0, i1, n_q, n_k, end):
+    """The block's pre-scaled queries [b, Hkv, rep * rows, D] and masked scores
+    [b, Hkv, rep, rows, end] (batch rows `rows`, query rows i0:i1)."""
+    qc = qg[rows, :, :, i0:i1]
+    b, hkv, rep, c, d = qc.shape
+    qc = qc.reshape(b, hkv, rep * c, d)
+    s = (qc @ k[rows, :, :end].swapaxes(-1, -2)).reshape(b, hkv, rep, c, end)
+    if causal:
+        q_pos = mx.arange(n_k - n_q + i0, n_k - n_q + i1)[:, None]
+        s = mx.where(q_pos >= mx.arange(end)[None], s, -mx.inf)
+    elif mask is not None:
+        m = mask if mask.shape[0] == 1 else mask[rows]
+        m = m[..., i0:i1, :] if m.shape[-2] > 1 else m
+        m = m[..., :end] if m.shape[-1] > 1 else m
+        s = mx.where(m, s, -mx.inf) if m.dtype == mx.bool_ else s + m.astype(s.dtype)
+    return qc, s
+
+
+def _cat(parts: list, axis: int) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
+
+
+def _attention_forward(q, k, v, scale, mask, causal):
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    qg = (q * scale).reshape(b, hkv, rep, n_q, d)
+    outs, lses = [], []  # per batch block: lists over query blocks
+    for rows, i0, i1, end in _blocks(b, hq, n_q, n_k, causal):
+        _, s = _block_scores(qg, k, mask, causal, rows, i0, i1, n_q, n_k, end)
+        m = mx.stop_gradient(s.max(axis=-1, keepdims=True))
+        e = _exp_shifted(s, m)
+        total = e.sum(axis=-1, keepdims=True)
+        nb, c = s.shape[0], i1 - i0
+        p = (e / total).reshape(nb, hkv, rep * c, end)
+        if i0 == 0:
+            outs.append([]), lses.append([])
+        outs[-1].append((p @ v[rows, :, :end]).reshape(nb, hkv, rep, c, d))
+        lses[-1].append(m + mx.log(total))
+    out = _cat([_cat(o, 3) for o in outs], 0)
+    lse = _cat([_cat(x, 3) for x in lses], 0)
+    return out.reshape(b, hq, n_q, d), lse
+
+
+def _attention_backward(q, k, v, scale, mask, causal, out, lse, d_out):
+    # Flash attention's backward, block by block: P is recomputed from the saved
+    # log-normaliser, dS = P (dP - rowsum(dO * O)); dK and dV sum over the query blocks
+    # of a batch block.
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    qg = (q * scale).reshape(b, hkv, rep, n_q, d)
+    og = out.reshape(b, hkv, rep, n_q, d)
+    dog = d_out.reshape(b, hkv, rep, n_q, d)
+    dq, dk, dv = [], [], []
+    for rows, i0, i1, end in _blocks(b, hq, n_q, n_k, causal):
+        qc, s = _block_scores(qg, k, mask, causal, rows, i0, i1, n_q, n_k, end)
+        nb, c = s.shape[0], i1 - i0
+        p = _exp_shifted(s, lse[rows, :, :, i0:i1]).reshape(nb, hkv, rep * c, end)
+        do_c = dog[rows, :, :, i0:i1].reshape(nb, hkv, rep * c, d)
+        o_c = og[rows, :, :, i0:i1].reshape(nb, hkv, rep * c, d)
+        ds = p * (do_c @ v[rows, :, :end].swapaxes(-1, -2) - (do_c * o_c).sum(-1, keepdims=True))
+        dk_c, dv_c = ds.swapaxes(-1, -2) @ qc, p.swapaxes(-1, -2) @ do_c
+        if end < n_k:
+            pad = [(0, 0), (0, 0), (0, n_k - end), (0, 0)]
+            dk_c, dv_c = mx.pad(dk_c, pad), mx.pad(dv_c, pad)
+        if i0 == 0:
+            dq.append([]), dk.append(dk_c), dv.append(dv_c)
+        else:
+            dk[-1], dv[-1] = dk[-1] + dk_c, dv[-1] + dv_c
+        dq[-1].append((ds @ k[rows, :, :end]).reshape(nb, hkv, rep, c, d))
+    dq = _cat([_cat(x, 3) for x in dq], 0)
+    return (dq * scale).reshape(b, hq, n_q, d), _cat(dk, 0), _cat(dv, 0)
+
+
+_ATTENTION: dict[tuple, object] = {}
+
+
+def _attention_fn(scale: float, kind: str):
+    """The custom function for one scale and mask kind ('none', 'causal', 'array'):
+    (q, k, v[, mask]) -> (out, log-normaliser)."""
+    key = (scale, kind)
+    if key not in _ATTENTION:
+        causal = kind == "causal"
+
+        @mx.custom_function
+        def fn(q, k, v, *mask):
+            return _attention_forward(q, k, v, scale, mask[0] if mask else None, causal)
+
+        @fn.vjp
+        def fn_vjp(primals, cotangents, outputs):
+            q, k, v, *mask = primals
+            m = mask[0] if mask else None  # grouped already (see attention)
+            grads = _attention_backward(
+                q, k, v, scale, m, causal, outputs[0], outputs[1], cotangents[0]
+            )
+            return (*grads, *(mx.zeros_like(x) for x in mask))
+
+        _ATTENTION[key] = fn
+    return _ATTENTION[key]
+
+
+def attention(q, k, v, scale: float, mask=None) -> mx.array:
+    """softmax(q k^T scale + mask) v, as `mx.fast.scaled_dot_product_attention(q, k, v,
+    scale=scale, mask=mask)`: q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (Hq a multiple
+    of Hkv), mask None, "causal" (the queries are the last Lq positions) or an array
+    broadcastable to [B, Hq, Lq, Lk] (bool: True attends; else added to the scores).
+
+    MLX's CPU backend computes that attention unfused, with its scalar exp, over the
+    whole [B, Hq, Lq, Lk] score array. Here the scores go in blocks of query rows, each
+    small enough to stay in cache, with `exp`; a causal block stops at its last row's
+    key. The gradient is flash attention's: each block's probabilities are recomputed
+    from its saved log-normaliser. On a GPU, or in another dtype, it is MLX's own."""
+    if not _on_cpu() or q.dtype != mx.float32 or k.dtype != mx.float32:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"attention: mask {mask!r} (only 'causal' or an array)")
+        return _attention_fn(scale, "causal")(q, k, v)[0]
+    if mask is None:
+        return _attention_fn(scale, "none")(q, k, v)[0]
+    grouped = _grouped_mask(mask, k.shape[1], q.shape[1] // k.shape[1])
+    return _attention_fn(scale, "array")(q, k, v, grouped)[0]

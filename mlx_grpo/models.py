@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import types
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx_lm.models.base import scaled_dot_product_attention as _mlx_lm_sdpa
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import dequantize_model, load
@@ -86,6 +88,7 @@ def load_model(cfg: ModelConfig):
         )
     mx.eval(model.parameters())
     use_fast_swiglu(model)
+    use_fast_attention(model)
     return model, tokenizer
 
 
@@ -120,6 +123,57 @@ def use_fast_swiglu(model: nn.Module) -> int:
         mlp = getattr(layer, "mlp", None)
         if type(mlp) in plain:
             mlp.__class__ = _fast_mlp_class(type(mlp))
+            n += 1
+    return n
+
+
+def _fast_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx_lm's `scaled_dot_product_attention` with `fastmath.attention` for the plain
+    case; quantized caches and attention sinks keep mlx_lm's own."""
+    if sinks is not None or hasattr(cache, "bits"):
+        return _mlx_lm_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return fastmath.attention(queries, keys, values, scale, mask)
+
+
+def _attentions() -> tuple[type, ...]:
+    """mlx_lm's attention layers whose call reaches SDPA through their module's
+    `scaled_dot_product_attention`."""
+    from mlx_lm.models import llama, qwen2, qwen3
+
+    return llama.Attention, qwen2.Attention, qwen3.Attention
+
+
+_FAST_ATTENTIONS: dict[type, type] = {}
+
+
+def _fast_attention_class(cls: type) -> type:
+    """A subclass whose `__call__` is mlx_lm's own code, run with `_fast_sdpa` as its
+    `scaled_dot_product_attention` (nothing of mlx_lm's is modified or copied)."""
+    if cls not in _FAST_ATTENTIONS:
+        call = cls.__call__
+        scope = {**call.__globals__, "scaled_dot_product_attention": _fast_sdpa}
+        fast = types.FunctionType(
+            call.__code__, scope, call.__name__, call.__defaults__, call.__closure__
+        )
+        fast.__kwdefaults__, fast.__qualname__ = call.__kwdefaults__, call.__qualname__
+        _FAST_ATTENTIONS[cls] = type(cls.__name__, (cls,), {"__call__": fast})
+    return _FAST_ATTENTIONS[cls]
+
+
+def use_fast_attention(model: nn.Module) -> int:
+    """Give every block's attention `fastmath.attention` in place of
+    `mx.fast.scaled_dot_product_attention`, which MLX's CPU backend computes unfused with
+    its scalar exp over the whole score array; returns how many layers changed. As for
+    `use_fast_swiglu`, the class name, children and parameter names stay; on a GPU
+    `fastmath.attention` is MLX's own."""
+    plain = tuple(
+        c for c in _attentions() if "scaled_dot_product_attention" in c.__call__.__code__.co_names
+    )
+    n = 0
+    for layer in getattr(model, "layers", []):
+        attn = getattr(layer, "self_attn", None)
+        if type(attn) in plain:
+            attn.__class__ = _fast_attention_class(type(attn))
             n += 1
     return n
 

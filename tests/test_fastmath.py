@@ -1,10 +1,12 @@
 """mlx_grpo.fastmath against float64 NumPy: exp's accuracy, its gradient, the
-log-softmax built on it, and the distribution of the inverse-CDF sampler."""
+log-softmax built on it, the distribution of the inverse-CDF sampler, SwiGLU and the
+blocked attention with its gradient."""
 
 import math
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlx_grpo import fastmath
 from mlx_grpo.logprobs import _logprobs_of
@@ -191,3 +193,97 @@ def test_swiglu_in_16_bits_is_mlx_lms_own():
     got = fastmath.swiglu(g, x)
     assert got.dtype == mx.bfloat16
     assert mx.array_equal(got, swiglu(g, x)).item()
+
+
+def _attention64(q, k, v, scale, mask, d_out):
+    """Float64 attention, its gradient (the textbook one, over the whole score array),
+    and the same sums over absolute values, which bound float32's rounding errors."""
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    kk, vv = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = q @ kk.swapaxes(-1, -2) * scale
+    allowed = np.ones(s.shape, bool)
+    if isinstance(mask, str):
+        allowed = np.broadcast_to(
+            np.arange(n_k - n_q, n_k)[:, None] >= np.arange(n_k)[None], s.shape
+        )
+    elif mask is not None and mask.dtype == bool:
+        allowed = np.broadcast_to(mask, s.shape)
+    elif mask is not None:
+        s = s + mask
+    s = np.where(allowed, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = p @ vv
+    dp = d_out @ vv.swapaxes(-1, -2)
+    ds = p * (dp - (d_out * out).sum(-1, keepdims=True))
+    grads = (
+        ds @ kk * scale,
+        (ds.swapaxes(-1, -2) @ q * scale).reshape(b, hkv, rep, n_k, d).sum(2),
+        (p.swapaxes(-1, -2) @ d_out).reshape(b, hkv, rep, n_k, d).sum(2),
+    )
+    # Rounding: each score is a D-term dot product (D+1 roundoffs of |q||k| scale), which
+    # moves p by twice its largest error (p and its normaliser), plus exp's 12 + ln2|t|
+    # (t <= 90) and the Lk-term normaliser; out and the gradients sum Lk or D terms more.
+    s_err = (d + 1) * EPS32 * (np.abs(q) @ np.abs(kk).swapaxes(-1, -2)).max(-1, keepdims=True)
+    rel = 2 * s_err * scale + (75 + n_k + d) * EPS32
+    av, ak, ado = np.abs(vv), np.abs(kk), np.abs(d_out)
+    out_mag = p @ av
+    ds_mag = p * (ado @ av.swapaxes(-1, -2) + (ado * out_mag).sum(-1, keepdims=True))
+    mags = (
+        2 * rel * (ds_mag @ ak * scale),
+        2 * (rel * ds_mag).swapaxes(-1, -2) @ np.abs(q) * scale,
+        2 * (rel * p).swapaxes(-1, -2) @ ado,
+    )
+    mags = (mags[0], *(m.reshape(b, hkv, rep, n_k, d).sum(2) for m in mags[1:]))
+    return out, rel * out_mag + (n_k + 2) * EPS32 * out_mag, grads, mags
+
+
+@pytest.mark.parametrize("block", [1 << 20, 300, 40])  # one block; batch blocks; query rows
+@pytest.mark.parametrize(
+    "n_q, n_k, mask",
+    [(7, 7, "causal"), (3, 11, "causal"), (1, 9, None), (5, 9, "bool"), (4, 6, "additive")],
+)
+def test_attention_and_its_gradient_match_float64(monkeypatch, block, n_q, n_k, mask):
+    """fastmath.attention against float64, in one block and in many (batch blocks, and
+    blocks of query rows whose causal keys stop at their last row): grouped heads
+    (6 queries, 2 keys), a causal mask over the last queries, a boolean mask that
+    broadcasts over heads, an additive one per head; each within the rounding budget
+    that the sums over absolute values give (_attention64)."""
+    monkeypatch.setattr(fastmath, "ATTENTION_BLOCK_FLOATS", block)
+    rng = np.random.default_rng(n_q * 100 + n_k)
+    b, hq, hkv, d = 2, 6, 2, 8
+    q = rng.normal(0, 2, (b, hq, n_q, d)).astype(np.float32)
+    k = rng.normal(0, 2, (b, hkv, n_k, d)).astype(np.float32)
+    v = rng.normal(0, 1, (b, hkv, n_k, d)).astype(np.float32)
+    d_out = rng.normal(0, 1, (b, hq, n_q, d)).astype(np.float32)
+    m = mask
+    if mask == "bool":
+        m = rng.random((b, 1, n_q, n_k)) < 0.7
+        m[..., 0] = True  # every query sees a key
+    elif mask == "additive":
+        m = rng.normal(0, 1, (1, hq, n_q, n_k)).astype(np.float32)
+    arr = (lambda x: x) if m is None or isinstance(m, str) else mx.array
+    scale = d**-0.5
+
+    def f(q, k, v):
+        return (fastmath.attention(q, k, v, scale, arr(m)) * mx.array(d_out)).sum()
+
+    out = np.array(fastmath.attention(mx.array(q), mx.array(k), mx.array(v), scale, arr(m)))
+    grads = mx.grad(f, argnums=(0, 1, 2))(mx.array(q), mx.array(k), mx.array(v))
+    f64 = [x.astype(np.float64) for x in (q, k, v)]
+    m64 = m.astype(np.float64) if mask == "additive" else m
+    want, bound, want_grads, grad_bounds = _attention64(*f64, scale, m64, d_out.astype(np.float64))
+    assert np.all(np.abs(out - want) <= bound), float(np.max(np.abs(out - want) / bound))
+    for name, got, w, bnd in zip("qkv", grads, want_grads, grad_bounds):
+        err = np.abs(np.array(got) - w)
+        assert np.all(err <= bnd), (name, float(np.max(err / bnd)))
+
+
+def test_attention_in_16_bits_is_mlxs_own():
+    rng = np.random.default_rng(3)
+    q, k, v = (mx.array(rng.normal(size=(1, 4, 5, 8)), dtype=mx.bfloat16) for _ in range(3))
+    got = fastmath.attention(q, k, v, 0.35, "causal")
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask="causal")
+    assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()

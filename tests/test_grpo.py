@@ -35,6 +35,7 @@ from mlx_grpo.models import (
     adapters_folded,
     apply_lora,
     trainable_count,
+    use_fast_attention,
     use_fast_swiglu,
 )
 
@@ -710,6 +711,67 @@ def test_fast_swiglu_keeps_the_model_its_parameters_and_gradients(tiny):
     for k in ref_g:
         assert_f32_close(fast_g[k], ref_g[k], n, k)
     assert use_fast_swiglu(model) == 0  # already done: nothing left to change
+
+
+def test_fast_attention_keeps_the_model_its_parameters_and_gradients(tiny):
+    """use_fast_attention changes how each block computes softmax(q k^T) v, nothing else:
+    the parameter names stay, and logits and LoRA gradients are mlx_lm's up to float32
+    rounding (the attention itself is tested against float64 in test_fastmath)."""
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=2)
+    _randomize_lora_b(model)
+    x = mx.array([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    names = [k for k, _ in tree_flatten(model.parameters())]
+
+    def loss(m):
+        return nn.log_softmax(m(x), axis=-1)[0, :, 3].sum()
+
+    ref_logits = model(x)
+    ref_loss, ref_grads = nn.value_and_grad(model, loss)(model)
+    assert use_fast_attention(model) == len(model.layers)
+    assert [k for k, _ in tree_flatten(model.parameters())] == names
+    fast_loss, fast_grads = nn.value_and_grad(model, loss)(model)
+    n = tiny_additions(vars(model.args))
+    assert_f32_close(model(x), ref_logits, n, "logits")
+    assert_f32_close(fast_loss, ref_loss, n, "loss")
+    ref_g, fast_g = dict(tree_flatten(ref_grads)), dict(tree_flatten(fast_grads))
+    assert ref_g.keys() == fast_g.keys() and ref_g
+    for k in ref_g:
+        assert_f32_close(fast_g[k], ref_g[k], n, k)
+    assert use_fast_attention(model) == 0  # already done: nothing left to change
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fast_attention_gives_each_model_familys_logits_with_a_cache(family):
+    """Through a KV cache too (a prompt, then a chunk whose causal mask is offset, then
+    one decode step without a mask), for each model family whose attention it takes
+    over: the logits of mlx_lm's own layers, up to float32 rounding."""
+    import importlib
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    args = dict(
+        model_type=family, hidden_size=48, num_hidden_layers=2, intermediate_size=96,
+        num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
+        rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=True,
+        head_dim=8,
+    )  # fmt: skip
+    fields = module.ModelArgs.__dataclass_fields__
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs(**{k: v for k, v in args.items() if k in fields}))
+    mx.eval(model.parameters())
+    chunks = [mx.array([[1, 2, 3, 4, 5, 6, 7]]), mx.array([[8, 9, 10]]), mx.array([[11]])]
+
+    def run():
+        cache = make_prompt_cache(model)
+        return [model(c, cache=cache) for c in chunks]
+
+    ref = run()
+    assert use_fast_attention(model) == 2
+    n = 2 * (2 + 2) * 96  # tiny_additions for this config
+    for i, (got, want) in enumerate(zip(run(), ref)):
+        assert_f32_close(got, want, n, f"{family} chunk {i}")
 
 
 def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch):

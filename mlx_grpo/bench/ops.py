@@ -1,11 +1,14 @@
 """The vocabulary-wide ops of a step, each alone at the work unit's shapes.
 
-    python -m mlx_grpo.bench.ops [--rows 16] [--vocab 49152] [--reps 20]
+    python -m mlx_grpo.bench.ops [--rows 16] [--vocab 49152] [--reps 20] [--context 1024]
 
 Times `mx.exp`, `fastmath.exp` and NumPy's exp, the two categorical samplers and
 `mx.logsumexp` over a [rows, vocab] float32 array (16 rows: one decode step of B=2 x
 G=8), and the best of `--reps` runs of each, with its ratio to `mx.exp`. It shows what
-the elementwise column of `make bench`'s profile is made of on this machine.
+the elementwise column of `make bench`'s profile is made of on this machine. Then one
+layer's causal attention over `--context` tokens (the embedded model's 9 query and 3
+key heads of 64), forward and with its gradient: MLX's
+`mx.fast.scaled_dot_product_attention` and `fastmath.attention`.
 """
 
 from __future__ import annotations
@@ -36,11 +39,34 @@ def op_times(rows: int, vocab: int, reps: int) -> dict[str, float]:
     return {name: _best(fn, reps) for name, fn in ops.items()}
 
 
+def attention_times(context: int, reps: int) -> dict[str, float]:
+    """Best seconds per call of one causal attention layer, [1, 9, context, 64] queries
+    on 3 key heads, forward and forward + gradient, MLX's and fastmath's."""
+    q = mx.random.normal((1, 9, context, 64))
+    k, v = mx.random.normal((1, 3, context, 64)), mx.random.normal((1, 3, context, 64))
+    mx.eval(q, k, v)
+    scale = 64**-0.5
+
+    def mlx_sdpa(q, k, v):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+
+    def fast(q, k, v):
+        return fastmath.attention(q, k, v, scale, "causal")
+
+    out = {}
+    for name, fn in (("mx.fast.sdpa", mlx_sdpa), ("fastmath.attention", fast)):
+        grad = mx.grad(lambda q, k, v, fn=fn: fn(q, k, v).sum(), argnums=(0, 1, 2))
+        out[f"{name} forward"] = _best(lambda fn=fn: mx.eval(fn(q, k, v)), reps)
+        out[f"{name} + gradient"] = _best(lambda g=grad: mx.eval(g(q, k, v)), reps)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--context", type=int, default=1024, help="attention's tokens (0: skip)")
     args = p.parse_args(argv)
     times = op_times(args.rows, args.vocab, args.reps)
     base = times["mx.exp"]
@@ -48,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'op':<24}{'ms':>8}{'x mx.exp':>10}")
     for name, t in times.items():
         print(f"{name:<24}{t * 1e3:>8.2f}{t / base:>10.2f}")
+    if args.context:
+        print(f"causal attention, [1, 9, {args.context}, 64] on 3 key heads, best of 3")
+        for name, t in attention_times(args.context, 3).items():
+            print(f"{name:<32}{t * 1e3:>8.1f} ms")
 
 
 if __name__ == "__main__":
