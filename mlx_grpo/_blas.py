@@ -666,19 +666,21 @@ def _first_that_works(
         coretype = None if coretype_given else misdetected(verdict["config"], cpu_flags())
         if coretype is not None:
             again = probe(lib, threads, coretype=coretype)
-            if again["ok"]:
+            took = coretype.lower() in again["config"].lower().split()
+            if again["ok"] and took:
                 verdict = again
             else:  # still correct, only slow: used as detected, with a word
+                why = again["reason"] if not again["ok"] else "it keeps its own choice"
                 problems.append(
                     f"{label}: runs pre-AVX kernels on this CPU, and with "
-                    f"OPENBLAS_CORETYPE={coretype} {again['reason']}"
+                    f"OPENBLAS_CORETYPE={coretype} {why}"
                 )
                 coretype = None
         cap = max_threads(verdict["config"])
         # (64 is the usual builds' cap: past 64 cores every candidate has it, and it is
         # no reason to pass one over)
         if cap is not None and cap < min(threads, 64) and name not in ("custom", forced):
-            capped = capped or Blas(name, str(lib), verdict["config"], cap)
+            capped = capped or Blas(name, str(lib), verdict["config"], cap, coretype)
             problems.append(f"{label}: built for at most {cap} threads")
             continue
         blas = Blas(name, str(lib), verdict["config"], min(threads, cap or threads), coretype)

@@ -160,6 +160,10 @@ def categorical(
 ATTENTION_BLOCK_FLOATS = 1 << 20
 
 _exp_shifted = mx.compile(lambda s, m: _exp_kernel(s - m))
+_exp_normalised = mx.compile(lambda s, m, log_total: _exp_kernel((s - m) - log_total))
+# What a masked score becomes: float32's lowest number, as in MLX's own attention, so that
+# a row with every key masked averages them all (finite) where -inf would give NaN.
+_MASKED = -3.4028234663852886e38
 
 
 def _blocks(b: int, hq: int, n_q: int, n_k: int, causal: bool):
@@ -174,10 +178,11 @@ def _blocks(b: int, hq: int, n_q: int, n_k: int, causal: bool):
         for b0 in range(0, b, batch):
             yield slice(b0, min(b, b0 + batch)), 0, n_q, n_k
         return
+    stop = causal and n_q <= n_k  # (more queries than keys: the first see none)
     for b0 in range(b):
         for i0 in range(0, n_q, rows):
             i1 = min(n_q, i0 + rows)
-            yield slice(b0, b0 + 1), i0, i1, (n_k - n_q + i1) if causal else n_k
+            yield slice(b0, b0 + 1), i0, i1, (n_k - n_q + i1) if stop else n_k
 
 
 def _grouped_mask(mask: mx.array, hkv: int, rep: int) -> mx.array:
@@ -200,12 +205,11 @@ def _block_scores(qg, k, mask, causal, rows, i0, i1, n_q, n_k, end):
     s = (qc @ k[rows, :, :end].swapaxes(-1, -2)).reshape(b, hkv, rep, c, end)
     if causal:
         q_pos = mx.arange(n_k - n_q + i0, n_k - n_q + i1)[:, None]
-        s = mx.where(q_pos >= mx.arange(end)[None], s, -mx.inf)
+        s = mx.where(q_pos >= mx.arange(end)[None], s, _MASKED)
     elif mask is not None:
         m = mask if mask.shape[0] == 1 else mask[rows]
         m = m[..., i0:i1, :] if m.shape[-2] > 1 else m
-        m = m[..., :end] if m.shape[-1] > 1 else m
-        s = mx.where(m, s, -mx.inf) if m.dtype == mx.bool_ else s + m.astype(s.dtype)
+        s = mx.where(m[..., :end] if m.shape[-1] > 1 else m, s, _MASKED)
     return qc, s
 
 
@@ -218,7 +222,7 @@ def _attention_forward(q, k, v, scale, mask, causal):
     hkv, n_k = k.shape[1], k.shape[2]
     rep = hq // hkv
     qg = (q * scale).reshape(b, hkv, rep, n_q, d)
-    outs, lses = [], []  # per batch block: lists over query blocks
+    outs, maxes, logs = [], [], []  # per batch block: lists over query blocks
     for rows, i0, i1, end in _blocks(b, hq, n_q, n_k, causal):
         _, s = _block_scores(qg, k, mask, causal, rows, i0, i1, n_q, n_k, end)
         m = mx.stop_gradient(s.max(axis=-1, keepdims=True))
@@ -227,18 +231,20 @@ def _attention_forward(q, k, v, scale, mask, causal):
         nb, c = s.shape[0], i1 - i0
         p = (e / total).reshape(nb, hkv, rep * c, end)
         if i0 == 0:
-            outs.append([]), lses.append([])
+            outs.append([]), maxes.append([]), logs.append([])
         outs[-1].append((p @ v[rows, :, :end]).reshape(nb, hkv, rep, c, d))
-        lses[-1].append(m + mx.log(total))
+        # The normaliser as (max, log of the sum): where every key is masked, the max
+        # is the masked value, and max + log(n) would round back to it.
+        maxes[-1].append(m), logs[-1].append(mx.log(total))
     out = _cat([_cat(o, 3) for o in outs], 0)
-    lse = _cat([_cat(x, 3) for x in lses], 0)
-    return out.reshape(b, hq, n_q, d), lse
+    m = _cat([_cat(x, 3) for x in maxes], 0)
+    return out.reshape(b, hq, n_q, d), m, _cat([_cat(x, 3) for x in logs], 0)
 
 
-def _attention_backward(q, k, v, scale, mask, causal, out, lse, d_out):
+def _attention_backward(q, k, v, scale, mask, causal, out, m, log_total, d_out):
     # Flash attention's backward, block by block: P is recomputed from the saved
-    # log-normaliser, dS = P (dP - rowsum(dO * O)); dK and dV sum over the query blocks
-    # of a batch block.
+    # normaliser, dS = P (dP - rowsum(dO * O)); dK and dV sum over the query blocks of a
+    # batch block.
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -249,10 +255,14 @@ def _attention_backward(q, k, v, scale, mask, causal, out, lse, d_out):
     for rows, i0, i1, end in _blocks(b, hq, n_q, n_k, causal):
         qc, s = _block_scores(qg, k, mask, causal, rows, i0, i1, n_q, n_k, end)
         nb, c = s.shape[0], i1 - i0
-        p = _exp_shifted(s, lse[rows, :, :, i0:i1]).reshape(nb, hkv, rep * c, end)
+        m_c = m[rows, :, :, i0:i1]
+        p = _exp_normalised(s, m_c, log_total[rows, :, :, i0:i1]).reshape(nb, hkv, rep * c, end)
         do_c = dog[rows, :, :, i0:i1].reshape(nb, hkv, rep * c, d)
         o_c = og[rows, :, :, i0:i1].reshape(nb, hkv, rep * c, d)
         ds = p * (do_c @ v[rows, :, :end].swapaxes(-1, -2) - (do_c * o_c).sum(-1, keepdims=True))
+        # A masked score is a constant: no gradient. Elsewhere its p is 0 already; a
+        # query that sees no key (its max is the masked value) has p 1/n.
+        ds = mx.where(m_c.reshape(nb, hkv, rep * c, 1) > _MASKED, ds, 0.0)
         dk_c, dv_c = ds.swapaxes(-1, -2) @ qc, p.swapaxes(-1, -2) @ do_c
         if end < n_k:
             pad = [(0, 0), (0, 0), (0, n_k - end), (0, 0)]
@@ -271,7 +281,7 @@ _ATTENTION: dict[tuple, object] = {}
 
 def _attention_fn(scale: float, kind: str):
     """The custom function for one scale and mask kind ('none', 'causal', 'array'):
-    (q, k, v[, mask]) -> (out, log-normaliser)."""
+    (q, k, v[, mask]) -> (out, row max, log of the row sum)."""
     key = (scale, kind)
     if key not in _ATTENTION:
         causal = kind == "causal"
@@ -284,9 +294,7 @@ def _attention_fn(scale: float, kind: str):
         def fn_vjp(primals, cotangents, outputs):
             q, k, v, *mask = primals
             m = mask[0] if mask else None  # grouped already (see attention)
-            grads = _attention_backward(
-                q, k, v, scale, m, causal, outputs[0], outputs[1], cotangents[0]
-            )
+            grads = _attention_backward(q, k, v, scale, m, causal, *outputs, cotangents[0])
             return (*grads, *(mx.zeros_like(x) for x in mask))
 
         _ATTENTION[key] = fn
@@ -296,8 +304,10 @@ def _attention_fn(scale: float, kind: str):
 def attention(q, k, v, scale: float, mask=None) -> mx.array:
     """softmax(q k^T scale + mask) v, as `mx.fast.scaled_dot_product_attention(q, k, v,
     scale=scale, mask=mask)`: q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (Hq a multiple
-    of Hkv), mask None, "causal" (the queries are the last Lq positions) or an array
-    broadcastable to [B, Hq, Lq, Lk] (bool: True attends; else added to the scores).
+    of Hkv), mask None, "causal" (the queries are the last Lq positions) or a boolean
+    array broadcastable to [B, Hq, Lq, Lk] (True attends); a query that attends to no
+    key averages them all, as in MLX's. An additive (float) mask, which could carry a
+    gradient, goes to MLX's own.
 
     MLX's CPU backend computes that attention unfused, with its scalar exp, over the
     whole [B, Hq, Lq, Lk] score array. Here the scores go in blocks of query rows, each
@@ -312,5 +322,7 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
         return _attention_fn(scale, "causal")(q, k, v)[0]
     if mask is None:
         return _attention_fn(scale, "none")(q, k, v)[0]
+    if mask.dtype != mx.bool_:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     grouped = _grouped_mask(mask, k.shape[1], q.shape[1] // k.shape[1])
     return _attention_fn(scale, "array")(q, k, v, grouped)[0]

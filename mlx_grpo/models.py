@@ -117,12 +117,17 @@ def use_fast_swiglu(model: nn.Module) -> int:
     is scalar on MLX's CPU backend); returns how many MLPs changed. The module keeps
     its class's name, its children and so its parameter names (adapters, checkpoints
     and exports are unchanged); on a GPU `fastmath.swiglu` is mlx_lm's."""
-    plain = _swiglu_mlps()
+    return _swap_classes(model, "mlp", _swiglu_mlps(), _fast_mlp_class)
+
+
+def _swap_classes(model: nn.Module, attr: str, plain: tuple[type, ...], subclass) -> int:
+    """Give each block's `attr` module whose class is one of `plain` the class
+    `subclass(its class)`; returns how many changed."""
     n = 0
     for layer in getattr(model, "layers", []):
-        mlp = getattr(layer, "mlp", None)
-        if type(mlp) in plain:
-            mlp.__class__ = _fast_mlp_class(type(mlp))
+        module = getattr(layer, attr, None)
+        if type(module) in plain:
+            module.__class__ = subclass(type(module))
             n += 1
     return n
 
@@ -169,13 +174,7 @@ def use_fast_attention(model: nn.Module) -> int:
     plain = tuple(
         c for c in _attentions() if "scaled_dot_product_attention" in c.__call__.__code__.co_names
     )
-    n = 0
-    for layer in getattr(model, "layers", []):
-        attn = getattr(layer, "self_attn", None)
-        if type(attn) in plain:
-            attn.__class__ = _fast_attention_class(type(attn))
-            n += 1
-    return n
+    return _swap_classes(model, "self_attn", plain, _fast_attention_class)
 
 
 def lora_parameters(cfg: LoRAConfig) -> dict:

@@ -499,23 +499,31 @@ def test_a_build_that_takes_this_cpu_for_a_pre_avx_one_gets_the_kernels_its_flag
         assert "SkylakeX" in blas.config and "OPENBLAS_CORETYPE=SkylakeX" in blas.describe()
 
 
-def test_a_forced_kernel_family_that_fails_its_probe_leaves_the_detected_one(monkeypatch, tmp_path):
+@pytest.mark.parametrize("forced", ["crashes", "is ignored"])
+def test_a_forced_kernel_family_that_fails_its_probe_leaves_the_detected_one(
+    monkeypatch, tmp_path, forced
+):
+    """Forced kernels that crash, or a build that does not know the family's name (it
+    warns and keeps its own: the config still names Prescott), leave the library as
+    detected, with a word."""
     lib = tmp_path / "libopenblas.so.0"
     libs = {"system": lib, "scipy-openblas32": None, "cmeel-openblas": None}
+    detected = {"ok": True, "reason": "", "config": "OpenBLAS DYNAMIC_ARCH Prescott MAX_THREADS=64"}
 
     def fake_probe(path, threads, coretype=None):
-        if coretype:
+        if coretype and forced == "crashes":
             return {"ok": False, "reason": "its probe was killed by SIGILL", "config": ""}
-        return {"ok": True, "reason": "", "config": "OpenBLAS DYNAMIC_ARCH Prescott MAX_THREADS=64"}
+        return detected
 
     monkeypatch.setattr(_blas, "_locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
     monkeypatch.setattr(_blas, "probe", fake_probe)
     monkeypatch.setattr(_blas, "cpu_flags", lambda: AVX512)
     blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})
     assert (blas.name, blas.coretype) == ("system", None)
+    why = "its probe was killed by SIGILL" if forced == "crashes" else "it keeps its own choice"
     assert warning.startswith(
-        "system: runs pre-AVX kernels on this CPU, and with OPENBLAS_CORETYPE=SkylakeX its probe "
-        "was killed by SIGILL; using OpenBLAS DYNAMIC_ARCH Prescott"
+        "system: runs pre-AVX kernels on this CPU, and with OPENBLAS_CORETYPE=SkylakeX "
+        f"{why}; using OpenBLAS DYNAMIC_ARCH Prescott"
     )
 
 

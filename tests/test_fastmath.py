@@ -212,12 +212,12 @@ def _attention64(q, k, v, scale, mask, d_out):
         allowed = np.broadcast_to(mask, s.shape)
     elif mask is not None:
         s = s + mask
-    s = np.where(allowed, s, -np.inf)
+    s = np.where(allowed, s, np.finfo(np.float32).min)  # a row with no key averages all
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     out = p @ vv
     dp = d_out @ vv.swapaxes(-1, -2)
-    ds = p * (dp - (d_out * out).sum(-1, keepdims=True))
+    ds = np.where(allowed, p * (dp - (d_out * out).sum(-1, keepdims=True)), 0.0)
     grads = (
         ds @ kk * scale,
         (ds.swapaxes(-1, -2) @ q * scale).reshape(b, hkv, rep, n_k, d).sum(2),
@@ -243,14 +243,23 @@ def _attention64(q, k, v, scale, mask, d_out):
 @pytest.mark.parametrize("block", [1 << 20, 300, 40])  # one block; batch blocks; query rows
 @pytest.mark.parametrize(
     "n_q, n_k, mask",
-    [(7, 7, "causal"), (3, 11, "causal"), (1, 9, None), (5, 9, "bool"), (4, 6, "additive")],
+    [
+        (7, 7, "causal"),
+        (3, 11, "causal"),
+        (6, 4, "causal"),  # more queries than keys: the first two see none
+        (1, 9, None),
+        (5, 9, "bool"),
+        (5, 9, "bool, one query sees no key"),
+        (4, 6, "additive"),  # MLX's own (a float mask could carry a gradient)
+    ],
 )
 def test_attention_and_its_gradient_match_float64(monkeypatch, block, n_q, n_k, mask):
     """fastmath.attention against float64, in one block and in many (batch blocks, and
     blocks of query rows whose causal keys stop at their last row): grouped heads
-    (6 queries, 2 keys), a causal mask over the last queries, a boolean mask that
-    broadcasts over heads, an additive one per head; each within the rounding budget
-    that the sums over absolute values give (_attention64)."""
+    (6 queries, 2 keys), a causal mask over the last queries (and over more queries
+    than keys), a boolean mask that broadcasts over heads (and leaves a query no key,
+    which then averages them all, as MLX's does), an additive one per head; each within
+    the rounding budget that the sums over absolute values give (_attention64)."""
     monkeypatch.setattr(fastmath, "ATTENTION_BLOCK_FLOATS", block)
     rng = np.random.default_rng(n_q * 100 + n_k)
     b, hq, hkv, d = 2, 6, 2, 8
@@ -259,9 +268,11 @@ def test_attention_and_its_gradient_match_float64(monkeypatch, block, n_q, n_k, 
     v = rng.normal(0, 1, (b, hkv, n_k, d)).astype(np.float32)
     d_out = rng.normal(0, 1, (b, hq, n_q, d)).astype(np.float32)
     m = mask
-    if mask == "bool":
+    if mask.startswith("bool") if mask else False:
         m = rng.random((b, 1, n_q, n_k)) < 0.7
         m[..., 0] = True  # every query sees a key
+        if mask != "bool":
+            m[1, 0, 2] = False  # but this one
     elif mask == "additive":
         m = rng.normal(0, 1, (1, hq, n_q, n_k)).astype(np.float32)
     arr = (lambda x: x) if m is None or isinstance(m, str) else mx.array

@@ -680,44 +680,10 @@ def test_folded_adapters_sample_the_same_policy_and_unfold_exactly(tiny):
         assert any(isinstance(m, LoRALinear) for _, m in model.named_modules())
 
 
-def test_fast_swiglu_keeps_the_model_its_parameters_and_gradients(tiny):
-    """use_fast_swiglu changes how each block's MLP computes silu(gate) * up, nothing
-    else: the parameter names stay (adapters, checkpoints), and logits and LoRA gradients
-    are mlx_lm's up to float32 rounding (the activation itself is within (16 + |g|)
-    unit roundoffs, test_fastmath; the reductions after it are the same)."""
-    model, _ = tiny
-    apply_lora(model, LoRAConfig(rank=4), seed=2)
-    _randomize_lora_b(model)
-    x = mx.array([[5, 6, 7, 8, 9, 10, 11]])
-    names = [k for k, _ in tree_flatten(model.parameters())]
-
-    def loss(m):
-        return nn.log_softmax(m(x), axis=-1)[0, :, 3].sum()
-
-    ref_logits = model(x)
-    ref_loss, ref_grads = nn.value_and_grad(model, loss)(model)
-    assert use_fast_swiglu(model) == len(model.layers)
-    assert all(
-        type(layer.mlp).__call__ is not type(layer.mlp).__mro__[1].__call__
-        for layer in model.layers
-    )
-    assert [k for k, _ in tree_flatten(model.parameters())] == names
-    fast_loss, fast_grads = nn.value_and_grad(model, loss)(model)
-    n = tiny_additions(vars(model.args))
-    assert_f32_close(model(x), ref_logits, n, "logits")
-    assert_f32_close(fast_loss, ref_loss, n, "loss")
-    ref_g, fast_g = dict(tree_flatten(ref_grads)), dict(tree_flatten(fast_grads))
-    assert ref_g.keys() == fast_g.keys() and ref_g
-    for k in ref_g:
-        assert_f32_close(fast_g[k], ref_g[k], n, k)
-    assert use_fast_swiglu(model) == 0  # already done: nothing left to change
-
-
-def test_fast_attention_keeps_the_model_its_parameters_and_gradients(tiny):
-    """use_fast_attention changes how each block computes softmax(q k^T) v, nothing else:
-    the parameter names stay, and logits and LoRA gradients are mlx_lm's up to float32
-    rounding (the attention itself is tested against float64 in test_fastmath)."""
-    model, _ = tiny
+def _assert_swap_keeps_the_model(model, swap) -> None:
+    """`swap(model)` changes how every block computes, nothing else: the parameter names
+    stay (adapters, checkpoints), and logits, loss and LoRA gradients are mlx_lm's up to
+    float32 rounding; a second call changes nothing."""
     apply_lora(model, LoRAConfig(rank=4), seed=2)
     _randomize_lora_b(model)
     x = mx.array([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
@@ -728,7 +694,7 @@ def test_fast_attention_keeps_the_model_its_parameters_and_gradients(tiny):
 
     ref_logits = model(x)
     ref_loss, ref_grads = nn.value_and_grad(model, loss)(model)
-    assert use_fast_attention(model) == len(model.layers)
+    assert swap(model) == len(model.layers)
     assert [k for k, _ in tree_flatten(model.parameters())] == names
     fast_loss, fast_grads = nn.value_and_grad(model, loss)(model)
     n = tiny_additions(vars(model.args))
@@ -738,7 +704,26 @@ def test_fast_attention_keeps_the_model_its_parameters_and_gradients(tiny):
     assert ref_g.keys() == fast_g.keys() and ref_g
     for k in ref_g:
         assert_f32_close(fast_g[k], ref_g[k], n, k)
-    assert use_fast_attention(model) == 0  # already done: nothing left to change
+    assert swap(model) == 0  # already done: nothing left to change
+
+
+def test_fast_swiglu_keeps_the_model_its_parameters_and_gradients(tiny):
+    """use_fast_swiglu changes how each block's MLP computes silu(gate) * up (the
+    activation itself is within (16 + |g|) unit roundoffs, test_fastmath; the
+    reductions after it are the same)."""
+    model, _ = tiny
+    _assert_swap_keeps_the_model(model, use_fast_swiglu)
+    assert all(
+        type(layer.mlp).__call__ is not type(layer.mlp).__mro__[1].__call__
+        for layer in model.layers
+    )
+
+
+def test_fast_attention_keeps_the_model_its_parameters_and_gradients(tiny):
+    """use_fast_attention changes how each block computes softmax(q k^T) v (the
+    attention itself is tested against float64 in test_fastmath)."""
+    model, _ = tiny
+    _assert_swap_keeps_the_model(model, use_fast_attention)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
