@@ -10,12 +10,12 @@ without them would leave MLX on its own BLAS while named as the one in use), the
 every BLAS/LAPACK routine MLX calls and checks the numbers against numpy in float64;
 the verdict is cached under the cache directory, keyed by the library file, the CPU,
 the thread count and OPENBLAS_CORETYPE (which forces a kernel family). The first
-candidate that passes is loaded. A DYNAMIC_ARCH build that does not know this CPU's
+candidate that passes is loaded. If none does, MLX keeps its own BLAS and one warning
+line says why and what to install. A DYNAMIC_ARCH build that does not know this CPU's
 model falls back to kernels older than AVX (OpenBLAS 0.3.21 takes an Emerald Rapids
 Xeon for a Prescott: 34 GFLOP/s where its SkylakeX kernels give 200); there the family
 the CPU's flags allow is forced with OPENBLAS_CORETYPE, once that passes its probe too,
-unless OPENBLAS_CORETYPE is set already. If none does, MLX keeps its own BLAS and one warning
-line says why and what to install.
+unless OPENBLAS_CORETYPE is set already.
 
 Candidates, in order (README "Which BLAS"):
   system            the distribution's OpenBLAS (Debian/Ubuntu `libopenblas0-pthread`,
@@ -541,7 +541,7 @@ def probe(lib: Path, threads: int, use_cache: bool = True, coretype: str | None 
             and isinstance(verdict.get("config"), str)
         ):
             return {k: verdict[k] for k in ("ok", "reason", "config")}
-    verdict = _run_probe(lib, threads) if coretype is None else _run_probe(lib, threads, coretype)
+    verdict = _run_probe(lib, threads, coretype)
     if use_cache and not verdict.pop("transient", False):
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""`exp`, categorical sampling and the gated MLP's `swiglu`, fast on CPUs too.
+"""`exp`, categorical sampling, the gated MLP's `swiglu` and `attention`, fast on CPUs too.
 
 MLX 0.32's CPU backend evaluates `mx.exp` one element at a time: on x86 it costs about
 12 ns a float, 20x NumPy's time, and an exp over [rows, 49152] logits costs more than
@@ -14,6 +14,9 @@ well.
 `categorical` draws by the inverse CDF: one exp, one cumulative sum and one uniform
 number per row, where `mx.random.categorical` takes a uniform number and two logs per
 vocabulary entry (Gumbel-max).
+
+`attention` is `mx.fast.scaled_dot_product_attention` in blocks that stay in cache,
+with `exp`, and flash attention's backward (see its doc).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ _exp_shifted = mx.compile(lambda s, m: _exp_kernel(s - m))
 _exp_normalised = mx.compile(lambda s, m, log_total: _exp_kernel((s - m) - log_total))
 # What a masked score becomes: float32's lowest number, as in MLX's own attention, so that
 # a row with every key masked averages them all (finite) where -inf would give NaN.
-_MASKED = -3.4028234663852886e38
+_MASKED = mx.finfo(mx.float32).min
 
 
 def _blocks(b: int, hq: int, n_q: int, n_k: int, causal: bool):
@@ -313,7 +316,7 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     whole [B, Hq, Lq, Lk] score array. Here the scores go in blocks of query rows, each
     small enough to stay in cache, with `exp`; a causal block stops at its last row's
     key. The gradient is flash attention's: each block's probabilities are recomputed
-    from its saved log-normaliser. On a GPU, or in another dtype, it is MLX's own."""
+    from its saved normaliser (row max and log-sum). On a GPU, or in another dtype, it is MLX's own."""
     if not _on_cpu() or q.dtype != mx.float32 or k.dtype != mx.float32:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     if isinstance(mask, str):

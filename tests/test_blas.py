@@ -351,12 +351,12 @@ def test_a_probe_killed_from_outside_or_hung_is_not_cached(monkeypatch, tmp_path
         return dict(verdict)
 
     hung = {"ok": False, "reason": "its probe hung", "config": "", "transient": True}
-    monkeypatch.setattr(_blas, "_run_probe", lambda p, t: run(p, t, hung))
+    monkeypatch.setattr(_blas, "_run_probe", lambda p, t, c=None: run(p, t, hung))
     assert _blas.probe(lib, 2)["reason"] == "its probe hung"
     assert _blas.probe(lib, 2)["reason"] == "its probe hung"
     assert len(calls) == 2  # probed again
     crashed = {"ok": False, "reason": "its probe was killed by SIGILL", "config": ""}
-    monkeypatch.setattr(_blas, "_run_probe", lambda p, t: run(p, t, crashed))
+    monkeypatch.setattr(_blas, "_run_probe", lambda p, t, c=None: run(p, t, crashed))
     assert _blas.probe(lib, 2) == _blas.probe(lib, 2) == crashed
     assert len(calls) == 3  # a crash on this CPU is remembered
 
@@ -424,7 +424,7 @@ def test_a_malformed_cached_verdict_is_probed_again(monkeypatch, tmp_path, entry
     lib.write_bytes(b"x")
     good = {"ok": True, "reason": "", "config": "OpenBLAS MAX_THREADS=64"}
     calls = []
-    monkeypatch.setattr(_blas, "_run_probe", lambda p, t: calls.append(p) or dict(good))
+    monkeypatch.setattr(_blas, "_run_probe", lambda p, t, c=None: calls.append(p) or dict(good))
     assert _blas.probe(lib, 2) == good
     (cached,) = (tmp_path / "blas").glob("verdict-*.json")
     cached.write_text(json.dumps(entry))
