@@ -6,7 +6,7 @@ then the dispatch of its hundreds of small ops (norms, rotary, activations, the
 sampler), not arithmetic. Here the rows of a turn share one fixed-capacity cache
 (`StaticCache`): keys and values are written at an index that is an array, and every
 step attends over the whole capacity through a mask, so all steps of a turn have the
-same shapes and run one compiled graph (model call, log-softmax and the keyed draw).
+same shapes and run one compiled graph (model call, the keyed draw and the entropy).
 
 The cache of row i holds, from left to right: padding; its prefix (`caches[i]`, ending
 at column P for every row); a gap; its tail but the last token (ending at column L);
@@ -21,8 +21,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
-
-from mlx_grpo import fastmath
 
 CAPACITY_STEP = 256  # columns: turns whose contexts round to the same size share a trace
 
@@ -89,11 +87,10 @@ class CompiledDecoder:
                     for i in range(n_layers)
                 ]
                 logits = model(tokens[:, None], cache=cache)[:, -1, :]
-                logprobs = fastmath.log_softmax(logits)
-                nxt, keys = sampler.draw_rows(keys, logprobs)
+                nxt, entropy, keys = sampler.draw_rows(keys, logits)
                 nxt = nxt.astype(mx.int32)
                 out = [a for c in cache for a in (c.keys, c.values)]
-                return (nxt, fastmath.entropy(logprobs), keys, cache[0].pos, *out)
+                return (nxt, entropy, keys, cache[0].pos, *out)
 
             self._steps[settings] = mx.compile(step, inputs=model.state)
         return self._steps[settings]

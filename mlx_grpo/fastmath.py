@@ -11,9 +11,11 @@ kernel, and `exp` is `mx.exp`.
 `swiglu` (silu(gate) * x) takes its sigmoid from `exp`: MLX's CPU sigmoid is scalar as
 well.
 
-`categorical` draws by the inverse CDF: one exp, one cumulative sum and one uniform
-number per row, where `mx.random.categorical` takes a uniform number and two logs per
-vocabulary entry (Gumbel-max).
+`categorical` draws by the inverse CDF: one exp and one uniform number per row, the
+running sum over the one block of the vocabulary that holds the draw, where
+`mx.random.categorical` takes a uniform number and two logs per vocabulary entry
+(Gumbel-max). `softmax_parts` gives a decode step the entropy and the weights to draw
+from with one exp over the vocabulary.
 
 `attention` is `mx.fast.scaled_dot_product_attention` in blocks that stay in cache,
 with `exp`, and flash attention's backward (see its doc).
@@ -133,6 +135,56 @@ def uniform_rows(keys: mx.array) -> mx.array:
     return mx.vmap(lambda k: mx.random.uniform(shape=(1,), key=k))(keys)
 
 
+def softmax_parts(logits: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(s = logits - max, e = exp(s), log Z, entropy) over the last axis, in float32, with
+    Z = sum e (so log-probs are s - log Z) and entropy = log Z - sum(e s) / Z: what a
+    decode step needs of a row's distribution from one exp over the vocabulary, where
+    log_softmax then `entropy` take two and write the log-probs in between. A logit of
+    -inf adds 0 to the entropy."""
+    x = logits.astype(mx.float32)
+    s = x - x.max(axis=-1, keepdims=True)
+    e = exp(s)
+    total = e.sum(axis=-1, keepdims=True)
+    log_z = mx.log(total)
+    spread = mx.where(e > 0, e * s, 0.0).sum(axis=-1, keepdims=True)
+    return s, e, log_z, (log_z - spread / total).squeeze(-1)
+
+
+# Rows wider than this are searched by blocks: the blocks' sums first, then a running
+# sum over the one block that holds the draw, instead of a running sum and two counts
+# over the whole row (a 49,152-word vocabulary: three passes over the row become one).
+CDF_BLOCK = 1024
+
+
+def _first_above(c: mx.array, target: mx.array, last: mx.array) -> mx.array:
+    """Per row, the number of running sums c_i <= target (the first i with c_i > target),
+    or, where target rounds up to the row's end `last`, the first i with c_i = last,
+    whose weight is above 0, instead of one past the end."""
+    return mx.minimum((c <= target).sum(axis=-1), (c < last).sum(axis=-1))
+
+
+def inverse_cdf(w: mx.array, u: mx.array) -> mx.array:
+    """Per row of weights w >= 0 ([n, V], not all 0), the first i with w_0 + ... + w_i >
+    u * sum(w), for uniform numbers u ([n, 1]): a draw of i with probability w_i / sum(w);
+    an entry of weight 0 is never drawn. Int32 [n]."""
+    n, v = w.shape
+    if v <= 2 * CDF_BLOCK:
+        c = mx.cumsum(w, axis=-1)
+        return _first_above(c, u * c[:, -1:], c[:, -1:]).astype(mx.int32)
+    nb = -(-v // CDF_BLOCK)
+    if nb * CDF_BLOCK > v:
+        w = mx.concatenate([w, mx.zeros((n, nb * CDF_BLOCK - v), w.dtype)], axis=-1)
+    blocks = w.reshape(n, nb, CDF_BLOCK)
+    sums = blocks.sum(axis=-1)
+    ends = mx.cumsum(sums, axis=-1)
+    target = u * ends[:, -1:]
+    b = _first_above(ends, target, ends[:, -1:])[:, None]  # [n, 1]: the block of the draw
+    before = mx.take_along_axis(ends - sums, b, axis=-1)
+    inner = mx.take_along_axis(blocks, mx.broadcast_to(b[..., None], (n, 1, CDF_BLOCK)), axis=1)
+    c = before + mx.cumsum(inner[:, 0], axis=-1)
+    return (b[:, 0] * CDF_BLOCK + _first_above(c, target, c[:, -1:])).astype(mx.int32)
+
+
 def categorical(
     logits: mx.array, key: mx.array | None = None, u: mx.array | None = None
 ) -> mx.array:
@@ -140,19 +192,17 @@ def categorical(
     when given, else the global RNG, or from the uniform numbers `u` ([..., 1]) when
     given. Entries at -inf are never drawn.
 
-    Row-wise: weights w = exp(logits - max), their running sums c, u uniform in [0, 1),
-    and the draw is the first i with c_i > u * c_last (the number of c_i <= u * c_last).
-    Where u * c_last rounds up to c_last (about once in 2^24 draws), the draw is the
-    first i with c_i = c_last, which has w_i > 0, instead of running off the end.
+    By inverse CDF (`inverse_cdf`) over the weights exp(logits - max). Where u * sum
+    rounds up to the sum (about once in 2^24 draws), the draw is the last entry of
+    weight above 0 instead of running off the end.
     """
     logits = logits.astype(mx.float32)
-    w = exp(logits - logits.max(axis=-1, keepdims=True))
-    c = mx.cumsum(w, axis=-1)
-    total = c[..., -1:]
+    lead, v = logits.shape[:-1], logits.shape[-1]
+    w = exp(logits - logits.max(axis=-1, keepdims=True)).reshape(-1, v)
     if u is None:
-        u = mx.random.uniform(shape=total.shape, key=key)
-    picked = mx.minimum((c <= u * total).sum(axis=-1), (c < total).sum(axis=-1))
-    return picked.astype(mx.uint32)
+        u = mx.random.uniform(shape=(*lead, 1), key=key)
+    picked = inverse_cdf(w, u.reshape(-1, 1))
+    return picked.reshape(lead).astype(mx.uint32)
 
 
 # ---- attention ----------------------------------------------------------------------

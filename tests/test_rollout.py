@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.rollout import KeyedSampler, encode_prompt, generate_groups, keyed_samplers
 
@@ -190,25 +193,30 @@ def test_batched_keyed_draw_equals_one_call_per_row(top_k):
     rows, batched = keyed_samplers(cfg, keys), keyed_samplers(cfg, keys)
     for _ in range(3):
         one = [rows[i](logprobs[i : i + 1]).item() for i in range(9)]
-        assert np.array(KeyedSampler.draw(batched, logprobs)).tolist() == one
+        assert np.array(KeyedSampler.draw(batched, logprobs)[0]).tolist() == one
     for a, b in zip(rows, batched):
         assert np.array(a.key).tolist() == np.array(b.key).tolist()
     assert len(set(one)) > 3  # the rows really draw from their own keys
 
 
-def test_keyed_draw_follows_its_key_stream():
+@pytest.mark.parametrize("vocab", [200, 5000])
+def test_keyed_draw_follows_its_key_stream(vocab):
     """Against a float64 reference built from the key alone: at each draw the key splits
     into (next key, this draw's key), one uniform number u comes from the latter, and the
-    token is the first whose cumulative softmax mass exceeds u."""
+    token is the first whose cumulative softmax mass exceeds u. 5000 words search by
+    blocks (`fastmath.inverse_cdf`), and take logits rather than log-probs, whose draws
+    are the same. A draw could differ where u lies within float32 rounding of a
+    boundary of the float64 CDF; the test's keys put none there."""
     cfg = RolloutConfig(temperature=0.7)
-    logits = mx.random.normal((5, 200), key=mx.random.key(6)) * 2
+    logits = mx.random.normal((5, vocab), key=mx.random.key(6)) * 2
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    rows = logits if vocab > 2 * fastmath.CDF_BLOCK else logprobs
     keys = mx.random.split(mx.random.key(9), 5)
     samplers = keyed_samplers(cfg, keys)
     p = np.exp(np.array(logprobs, np.float64) / 0.7)
     cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
     for _ in range(4):
-        got = np.array(KeyedSampler.draw(samplers, logprobs)).tolist()
+        got = np.array(KeyedSampler.draw(samplers, rows)[0]).tolist()
         want = []
         for i in range(5):
             nxt, sub = mx.random.split(keys[i])
@@ -217,6 +225,26 @@ def test_keyed_draw_follows_its_key_stream():
             keys[i] = nxt
         assert got == want
         assert np.array(mx.stack([s.key for s in samplers])).tolist() == np.array(keys).tolist()
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_keyed_draw_gives_the_untempered_entropy(top_k):
+    """The entropy `KeyedSampler.draw` returns beside its tokens is -sum p log p of the
+    row's softmax before temperature and top-k, against float64: within (V + 14 + ln2
+    max|lp|) unit roundoffs of sum |p lp| <= max |lp| (as fastmath.entropy's bound)."""
+    cfg = RolloutConfig(temperature=0.7, top_k=top_k)
+    v = 3000
+    logits = (
+        mx.random.normal((6, v), key=mx.random.key(3)) * mx.array([1.0, 3, 10, 1, 3, 10])[:, None]
+    )
+    _, got = KeyedSampler.draw(keyed_samplers(cfg, mx.random.split(mx.random.key(4), 6)), logits)
+    x = np.array(logits, np.float64)
+    lp = x - x.max(axis=1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
+    want = -(np.exp(lp) * lp).sum(axis=1)
+    big = np.abs(lp).max()
+    bound = (v + 14 + math.log(2) * big * math.log2(math.e)) * big * 2.0**-24
+    assert np.all(np.abs(np.array(got, np.float64) - want) <= bound)
 
 
 def test_decode_step_samples_the_tokens_of_mlx_lm_step(tiny, monkeypatch):
