@@ -71,11 +71,15 @@ def test_categorical_draws_softmax_frequencies_and_never_a_masked_entry():
     """40,000 draws per case; every frequency within 5 standard deviations of the
     binomial around softmax(logits) (a chance of about 6e-7 per entry to fail)."""
     n = 40_000
+    wide = [-np.inf] * (2 * fastmath.CDF_BLOCK + 52)
+    for i, x in zip((0, 1023, 1024, 1500, 2047, 2048, len(wide) - 1), (0.5, 1, 2, -1, 1.5, 0, 1)):
+        wide[i] = x
     cases = [
         [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0],
         [0.0, -np.inf, 3.0, -np.inf, 1.0, 2.5, -np.inf, -np.inf],  # -inf: filtered
         [-np.inf, -np.inf, 0.0, -np.inf],  # one candidate left
         list(np.linspace(-20, 5, 64)),  # a long tail
+        wide,  # searched by blocks: mass on both sides of block edges and at the end
     ]
     key = mx.random.key(5)
     for logits in cases:
