@@ -87,7 +87,7 @@ class CompiledDecoder:
                     for i in range(n_layers)
                 ]
                 logits = model(tokens[:, None], cache=cache)[:, -1, :]
-                nxt, entropy, keys = sampler.draw_rows(keys, logits)
+                nxt, entropy, keys = sampler.draw_logits(keys, logits)
                 nxt = nxt.astype(mx.int32)
                 out = [a for c in cache for a in (c.keys, c.values)]
                 return (nxt, entropy, keys, cache[0].pos, *out)

@@ -127,17 +127,18 @@ def top_k_candidates(logprobs: mx.array, top_k: int, top_p: float) -> tuple[mx.a
     log-probs of every row at every decode step, which on a CPU costs more than a
     small model's forward.
     """
-    return _top_k_of(logprobs, mx.zeros((logprobs.shape[0], 1), mx.float32), top_k, top_p)
+    return _top_k_of(logprobs, None, top_k, top_p)
 
 
 def _top_k_of(
-    scores: mx.array, log_z: mx.array, top_k: int, top_p: float
+    scores: mx.array, log_z: mx.array | None, top_k: int, top_p: float
 ) -> tuple[mx.array, mx.array]:
-    """`top_k_candidates` of the log-probs `scores - log_z` ([N, V] and [N, 1]), which
-    are subtracted for the k best only."""
+    """`top_k_candidates` of the log-probs `scores - log_z` ([N, V] and [N, 1]; None:
+    `scores` are log-probs), subtracted for the k best only."""
     k = min(top_k, scores.shape[-1])
     ids = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
-    vals = mx.take_along_axis(scores, ids, axis=-1).astype(mx.float32) - log_z
+    vals = mx.take_along_axis(scores, ids, axis=-1).astype(mx.float32)
+    vals = vals if log_z is None else vals - log_z
     order = mx.argsort(-vals, axis=-1)
     ids = mx.take_along_axis(ids, order, axis=-1)
     vals = mx.take_along_axis(vals, order, axis=-1)
@@ -185,35 +186,44 @@ class KeyedSampler:
             self.filters.append(lambda x: apply_top_k(x, cfg.top_k))
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return KeyedSampler.draw([self], logprobs)[0]
+        return KeyedSampler.draw([self], logprobs)
 
     @staticmethod
-    def draw(samplers: list[KeyedSampler], logits: mx.array) -> tuple[mx.array, mx.array]:
-        """(one token per row of `logits` ([n, V], or log-probs: the same distribution),
-        row i from `samplers[i]`'s key stream (the samplers share their settings), the
-        entropy of each row's untempered distribution); each key moves on one split."""
+    def draw(samplers: list[KeyedSampler], logprobs: mx.array) -> mx.array:
+        """One token per row of `logprobs` ([n, V]), row i from `samplers[i]`'s key
+        stream (the samplers share their settings); each key moves on one split."""
         first = samplers[0]
         keys = first.key[None] if len(samplers) == 1 else mx.stack([s.key for s in samplers])
-        tokens, entropy, keys = first.draw_rows(keys, logits)
+        tokens, keys = first.draw_rows(keys, logprobs)
         for i, s in enumerate(samplers):
             s.key = keys[i]
-        return tokens, entropy
+        return tokens
 
-    def draw_rows(self, keys: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """(one token per row of `logits`, the entropy of each row's distribution before
-        temperature and filters, each row's next key) at this sampler's settings, row i
-        drawn from `keys[i]` ([n, 2]): the pure function under `draw`, which a compiled
-        decode step (`mlx_grpo.decode`) calls too. One exp over the vocabulary gives the
-        entropy and, at temperature 1 without filters, the weights of the draw
-        (`fastmath.softmax_parts`)."""
+    def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
+        """(one token per row of `logprobs`, each row's next key) at this sampler's
+        settings, row i drawn from `keys[i]` ([n, 2]): the pure function under `draw`."""
         pairs = mx.vmap(mx.random.split)(keys)  # [n, 2, 2]: the next key, this draw's
         u = fastmath.uniform_rows(pairs[:, 1])
-        s, e, log_z, entropy = fastmath.softmax_parts(logits)
         if self.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
+            ids, vals = top_k_candidates(logprobs, self.top_k, self.top_p)
+            return self._pick(ids, vals, u), pairs[:, 0]
+        for f in self.filters:
+            logprobs = f(logprobs)
+        return fastmath.categorical(logprobs * (1.0 / self.temp), u=u), pairs[:, 0]
+
+    def draw_logits(self, keys: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """`draw_rows` from logits, and the entropy of each row's distribution before
+        temperature and filters: (tokens, entropies, next keys), what a compiled decode
+        step (`mlx_grpo.decode`) takes. One exp over the vocabulary gives the normaliser,
+        the entropy and, at temperature 1 without filters, the weights of the draw
+        (`fastmath.softmax_parts`), where log-probs then `fastmath.entropy` take two and
+        write the log-probs out in between."""
+        pairs = mx.vmap(mx.random.split)(keys)
+        u = fastmath.uniform_rows(pairs[:, 1])
+        s, e, log_z, entropy = fastmath.softmax_parts(logits)
+        if self.fast_top_k:
             ids, vals = _top_k_of(s, log_z, self.top_k, self.top_p)
-            pick = fastmath.categorical(vals * (1 / self.temp), u=u)
-            tokens = mx.take_along_axis(ids, pick[..., None].astype(mx.int32), axis=-1)
-            return tokens.squeeze(-1), entropy, pairs[:, 0]
+            return self._pick(ids, vals, u), entropy, pairs[:, 0]
         if self.filters:
             logprobs = s - log_z
             for f in self.filters:
@@ -224,14 +234,18 @@ class KeyedSampler:
             tokens = fastmath.inverse_cdf(w, u).astype(mx.uint32)
         return tokens, entropy, pairs[:, 0]
 
+    def _pick(self, ids: mx.array, vals: mx.array, u: mx.array) -> mx.array:
+        pick = fastmath.categorical(vals * (1 / self.temp), u=u)
+        return mx.take_along_axis(ids, pick[..., None].astype(mx.int32), axis=-1).squeeze(-1)
+
 
 class _GenerationBatch(GenerationBatch):
-    """mlx_lm's decode step with its vocabulary-wide CPU costs cut: rows whose samplers
-    are all `KeyedSampler`s with one setting draw in one batched call from the logits
-    (`KeyedSampler.draw`: the tokens each row's own call would give, and each row's
-    entropy, from one `fastmath.exp` over the vocabulary) instead of a log-softmax
-    (mx.logsumexp's exp is scalar on CPUs) and one call per row. Anything else (logits
-    processors, other samplers) takes mlx_lm's own step."""
+    """mlx_lm's decode step with two vocabulary-wide CPU costs taken out: the
+    log-softmax normaliser uses `fastmath.exp` (mx.logsumexp's exp is scalar on CPUs),
+    and rows whose samplers are all `KeyedSampler`s with one setting draw in one batched
+    call (`KeyedSampler.draw`: the tokens each row's own call would give) instead of
+    one call per row. Anything else (logits processors, other samplers) takes mlx_lm's
+    own step."""
 
     def _step(self):
         samplers = self.samplers or []
@@ -246,10 +260,9 @@ class _GenerationBatch(GenerationBatch):
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        self._next_tokens, entropy = KeyedSampler.draw(samplers, logits)
-        # A response's `logprobs` holds its row's entropy here (all `_decode` reads of
-        # it), so the vocabulary-wide log-probs are never written out.
-        self._next_logprobs = list(entropy)
+        logprobs = fastmath.log_softmax(logits)
+        self._next_tokens = KeyedSampler.draw(samplers, logprobs)
+        self._next_logprobs = list(logprobs)
         mx.async_eval(self._next_tokens, self._next_logprobs)
         # As mlx_lm's step: the current tokens join self.tokens (what the cache holds).
         mx.eval(inputs, self._current_logprobs)
@@ -261,7 +274,7 @@ class _GenerationBatch(GenerationBatch):
 
 class GreedySampler:
     """Greedy decoding (the held-out evaluations, `compare`): the arg-max token, as
-    mlx_lm's `make_sampler(temp=0)`; it speaks `KeyedSampler`'s `draw_rows`, so a
+    mlx_lm's `make_sampler(temp=0)`; it speaks `KeyedSampler`'s `draw_logits`, so a
     compiled decode step (`mlx_grpo.decode`) can take it too."""
 
     settings = ("greedy",)
@@ -272,7 +285,10 @@ class GreedySampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         return mx.argmax(logprobs, axis=-1)
 
-    def draw_rows(self, keys: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
+        return mx.argmax(logprobs, axis=-1), keys
+
+    def draw_logits(self, keys: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return mx.argmax(logits, axis=-1), fastmath.softmax_parts(logits)[3], keys
 
 
@@ -408,14 +424,7 @@ def _decode(
         # Each step's entropies, queued behind the next step rather than waited for.
         steps: list[tuple[list[int], mx.array]] = []
         while responses := gen.next_generated():
-            # A row's entropy (_GenerationBatch's step) or its log-probs (mlx_lm's own
-            # step, which also makes each row's first token).
-            ent = mx.stack(
-                [
-                    r.logprobs if r.logprobs.ndim == 0 else fastmath.entropy(r.logprobs)
-                    for r in responses
-                ]
-            )
+            ent = fastmath.entropy(mx.stack([r.logprobs for r in responses]))
             mx.async_eval(ent)
             steps.append(([r.uid for r in responses], ent))
             for r in responses:

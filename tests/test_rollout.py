@@ -10,7 +10,6 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.rollout import KeyedSampler, encode_prompt, generate_groups, keyed_samplers
 
@@ -193,7 +192,7 @@ def test_batched_keyed_draw_equals_one_call_per_row(top_k):
     rows, batched = keyed_samplers(cfg, keys), keyed_samplers(cfg, keys)
     for _ in range(3):
         one = [rows[i](logprobs[i : i + 1]).item() for i in range(9)]
-        assert np.array(KeyedSampler.draw(batched, logprobs)[0]).tolist() == one
+        assert np.array(KeyedSampler.draw(batched, logprobs)).tolist() == one
     for a, b in zip(rows, batched):
         assert np.array(a.key).tolist() == np.array(b.key).tolist()
     assert len(set(one)) > 3  # the rows really draw from their own keys
@@ -203,20 +202,18 @@ def test_batched_keyed_draw_equals_one_call_per_row(top_k):
 def test_keyed_draw_follows_its_key_stream(vocab):
     """Against a float64 reference built from the key alone: at each draw the key splits
     into (next key, this draw's key), one uniform number u comes from the latter, and the
-    token is the first whose cumulative softmax mass exceeds u. 5000 words search by
-    blocks (`fastmath.inverse_cdf`), and take logits rather than log-probs, whose draws
-    are the same. A draw could differ where u lies within float32 rounding of a
-    boundary of the float64 CDF; the test's keys put none there."""
+    token is the first whose cumulative softmax mass exceeds u (5000 words: searched by
+    blocks, `fastmath.inverse_cdf`). A draw could differ where u lies within float32
+    rounding of a boundary of the float64 CDF; the test's keys put none there."""
     cfg = RolloutConfig(temperature=0.7)
     logits = mx.random.normal((5, vocab), key=mx.random.key(6)) * 2
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    rows = logits if vocab > 2 * fastmath.CDF_BLOCK else logprobs
     keys = mx.random.split(mx.random.key(9), 5)
     samplers = keyed_samplers(cfg, keys)
     p = np.exp(np.array(logprobs, np.float64) / 0.7)
     cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
     for _ in range(4):
-        got = np.array(KeyedSampler.draw(samplers, rows)[0]).tolist()
+        got = np.array(KeyedSampler.draw(samplers, logprobs)).tolist()
         want = []
         for i in range(5):
             nxt, sub = mx.random.split(keys[i])
@@ -227,17 +224,26 @@ def test_keyed_draw_follows_its_key_stream(vocab):
         assert np.array(mx.stack([s.key for s in samplers])).tolist() == np.array(keys).tolist()
 
 
-@pytest.mark.parametrize("top_k", [0, 5])
-def test_keyed_draw_gives_the_untempered_entropy(top_k):
-    """The entropy `KeyedSampler.draw` returns beside its tokens is -sum p log p of the
-    row's softmax before temperature and top-k, against float64: within (V + 14 + ln2
-    max|lp|) unit roundoffs of sum |p lp| <= max |lp| (as fastmath.entropy's bound)."""
-    cfg = RolloutConfig(temperature=0.7, top_k=top_k)
+@pytest.mark.parametrize("temp,top_k", [(1.0, 0), (0.7, 0), (0.7, 5)])
+def test_draw_from_logits_is_the_draw_from_log_probs_and_gives_the_entropy(temp, top_k):
+    """`draw_logits` (the compiled decode step's) on logits: the tokens and next keys
+    `draw_rows` gives on their log-probs, and the entropy of the untempered softmax,
+    against float64 within (V + 14 + ln2 max|lp|) unit roundoffs of sum |p lp| <=
+    max |lp| (fastmath.entropy's bound). A draw could differ from the other where u lies
+    within float32 rounding of a boundary; the test's keys put none there."""
+    cfg = RolloutConfig(temperature=temp, top_k=top_k, top_p=0.9 if top_k else 1.0)
     v = 3000
-    logits = (
-        mx.random.normal((6, v), key=mx.random.key(3)) * mx.array([1.0, 3, 10, 1, 3, 10])[:, None]
-    )
-    _, got = KeyedSampler.draw(keyed_samplers(cfg, mx.random.split(mx.random.key(4), 6)), logits)
+    scale = mx.array([1.0, 3, 10, 1, 3, 10])[:, None]
+    logits = mx.random.normal((6, v), key=mx.random.key(3)) * scale + 4.0
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampler = keyed_samplers(cfg, mx.random.split(mx.random.key(4), 1))[0]
+    keys = mx.random.split(mx.random.key(5), 6)
+    for _ in range(3):
+        tokens, got, after = sampler.draw_logits(keys, logits)
+        want_tokens, want_after = sampler.draw_rows(keys, logprobs)
+        assert np.array(tokens).tolist() == np.array(want_tokens).tolist()
+        assert np.array(after).tolist() == np.array(want_after).tolist()
+        keys = after
     x = np.array(logits, np.float64)
     lp = x - x.max(axis=1, keepdims=True)
     lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
