@@ -22,7 +22,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlx_grpo.logprobs import length_buckets
+
 CAPACITY_STEP = 256  # columns: turns whose contexts round to the same size share a trace
+# What a separate prefill pass over a bucket of rows costs beyond its padded positions,
+# in positions (its dispatch, and the gather and scatter of those rows' caches): it sets
+# how finely a turn's tails are bucketed by length (`logprobs.length_buckets`).
+PREFILL_BUCKET_OVERHEAD = 32
 
 
 class StaticCache:
@@ -132,25 +138,31 @@ class CompiledDecoder:
         pos = mx.array(p_end)
         if r_max:  # the tails but their last tokens, right-aligned at column L (eagerly)
             # Rows with a one-token tail (a turn's first row, or rows whose answer
-            # `share_tails` prefilled) have nothing to prefill: only the others run.
-            need = [j for j, r in enumerate(rests) if r]
-            sub = mx.array(need) if len(need) < b else None
-            pick = (lambda x: x) if sub is None else (lambda x: x[sub])  # noqa: E731
-            rows = [[0] * (r_max - rests[j]) + tails[j][:-1] for j in need]
-            part = tuple(pick(m) if m.ndim else m for m in meta)
-            cache = [
-                StaticCache(pick(layers[2 * i]), pick(layers[2 * i + 1]), pos, *part)
-                for i in range(n_layers)
-            ]
-            model(mx.array(rows), cache=cache)
-            filled = [a for c in cache for a in (c.keys, c.values)]
-            if sub is None:
-                layers = filled
-            else:
-                for x, y in zip(layers, filled):
-                    x[sub] = y
-            pos = cache[0].pos
-            del cache, filled
+            # `share_tails` prefilled) have nothing to prefill. The others run in
+            # buckets of like lengths, each padded to its own longest tail, not to the
+            # longest of all (a turn's pages run from a few tokens to hundreds); a
+            # bucket's padding queries write into the gap, which no row sees.
+            for bucket in length_buckets(rests, PREFILL_BUCKET_OVERHEAD):
+                r_b = max(rests[j] for j in bucket)
+                sub = mx.array(bucket) if len(bucket) < b else None
+                pick = (lambda x: x) if sub is None else (lambda x, sub=sub: x[sub])  # noqa: E731
+                rows = [[0] * (r_b - rests[j]) + tails[j][:-1] for j in bucket]
+                part = tuple(pick(m) if m.ndim else m for m in meta)
+                at = mx.array(width - r_b)
+                cache = [
+                    StaticCache(pick(layers[2 * i]), pick(layers[2 * i + 1]), at, *part)
+                    for i in range(n_layers)
+                ]
+                model(mx.array(rows), cache=cache)
+                filled = [a for c in cache for a in (c.keys, c.values)]
+                if sub is None:
+                    layers = filled
+                else:
+                    for x, y in zip(layers, filled):
+                        x[sub] = y
+                mx.eval(layers)
+                del cache, filled
+            pos = mx.array(width)
         step = self._step(samplers[0], n_layers)
         keys = mx.stack([s.key for s in samplers])
         tokens = mx.array([t[-1] for t in tails])

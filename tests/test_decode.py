@@ -38,14 +38,32 @@ def _turns(model, tok, cfg, prompts, observations, compiled: bool, seed: int):
 
 
 @pytest.mark.parametrize(
-    "settings", [dict(temperature=1.5), dict(temperature=2.0, top_k=120, top_p=0.95)]
+    "settings,overhead",
+    [
+        (dict(temperature=1.5), None),
+        (dict(temperature=2.0, top_k=120, top_p=0.95), None),
+        (dict(temperature=1.5), 0),
+    ],
 )
-def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, monkeypatch):
+def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, overhead, monkeypatch):
     """Rows of different prompt and observation lengths, some stopping at a stop token
     and some at the length limit, over three turns: the same ids and finish reasons,
     the same keys afterwards, and per-row caches that hold the same keys and values (the
     attention runs over a longer, masked row: float32 rounding of its sums at most).
-    Rows stop at different steps, so the batch shrinks as they end (more shapes)."""
+    Rows stop at different steps, so the batch shrinks as they end (more shapes). With
+    no cost to a prefill pass (`overhead` 0), each length of observation is prefilled in
+    a bucket of its own, each padded to its own longest, at its own column."""
+    import mlx_grpo.decode as decode_mod
+
+    buckets = []
+    if overhead is not None:
+        monkeypatch.setattr(decode_mod, "PREFILL_BUCKET_OVERHEAD", overhead)
+
+        def counted(lengths, cost, split=decode_mod.length_buckets):
+            buckets.append(len(split(lengths, cost)))
+            return split(lengths, cost)
+
+        monkeypatch.setattr(decode_mod, "length_buckets", counted)
     model, tok = tiny
     # A tenth of the vocabulary stops a reply, as EOS does (the tiny model rarely
     # samples EOS), so that rows end at different steps.
@@ -66,6 +84,8 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, monkeypatch
     finishes = {f for turn in want for _, f in turn}
     assert finishes == {"stop", "length"}  # both ends are exercised
     assert model._compiled_decoder.traces > 1  # the batch shrank
+    if overhead is not None:
+        assert buckets and min(buckets) > 2  # the rows' tails in several buckets
     for a, b in zip(want_caches, got_caches):
         for x, y in zip(a, b):
             assert y.offset == x.offset
