@@ -135,7 +135,6 @@ class CompiledDecoder:
             mx.array(tail_start),
             mx.array([s - n for s, n in zip(tail_start, plens)]),
         )
-        pos = mx.array(p_end)
         if r_max:  # the tails but their last tokens, right-aligned at column L (eagerly)
             # Rows with a one-token tail (a turn's first row, or rows whose answer
             # `share_tails` prefilled) have nothing to prefill. The others run in
@@ -162,7 +161,7 @@ class CompiledDecoder:
                         x[sub] = y
                 mx.eval(layers)
                 del cache, filled
-            pos = mx.array(width)
+        pos = mx.array(width)  # column L: each row's last tail token, the first step's input
         step = self._step(samplers[0], n_layers)
         keys = mx.stack([s.key for s in samplers])
         tokens = mx.array([t[-1] for t in tails])

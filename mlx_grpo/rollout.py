@@ -202,14 +202,11 @@ class KeyedSampler:
     def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
         """(one token per row of `logprobs`, each row's next key) at this sampler's
         settings, row i drawn from `keys[i]` ([n, 2]): the pure function under `draw`."""
-        pairs = mx.vmap(mx.random.split)(keys)  # [n, 2, 2]: the next key, this draw's
-        u = fastmath.uniform_rows(pairs[:, 1])
+        u, after = _split_keys(keys)
         if self.fast_top_k:  # sort k values, not the vocabulary (see top_k_candidates)
             ids, vals = top_k_candidates(logprobs, self.top_k, self.top_p)
-            return self._pick(ids, vals, u), pairs[:, 0]
-        for f in self.filters:
-            logprobs = f(logprobs)
-        return fastmath.categorical(logprobs * (1.0 / self.temp), u=u), pairs[:, 0]
+            return self._pick(ids, vals, u), after
+        return self._filtered(logprobs, u), after
 
     def draw_logits(self, keys: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """`draw_rows` from logits, and the entropy of each row's distribution before
@@ -218,25 +215,33 @@ class KeyedSampler:
         the entropy and, at temperature 1 without filters, the weights of the draw
         (`fastmath.softmax_parts`), where log-probs then `fastmath.entropy` take two and
         write the log-probs out in between."""
-        pairs = mx.vmap(mx.random.split)(keys)
-        u = fastmath.uniform_rows(pairs[:, 1])
+        u, after = _split_keys(keys)
         s, e, log_z, entropy = fastmath.softmax_parts(logits)
         if self.fast_top_k:
             ids, vals = _top_k_of(s, log_z, self.top_k, self.top_p)
-            return self._pick(ids, vals, u), entropy, pairs[:, 0]
+            return self._pick(ids, vals, u), entropy, after
         if self.filters:
-            logprobs = s - log_z
-            for f in self.filters:
-                logprobs = f(logprobs)
-            tokens = fastmath.categorical(logprobs * (1.0 / self.temp), u=u)
-        else:  # the weights exp(s / temp): their largest is 1, as categorical's
-            w = e if self.temp == 1.0 else fastmath.exp(s * (1.0 / self.temp))
-            tokens = fastmath.inverse_cdf(w, u).astype(mx.uint32)
-        return tokens, entropy, pairs[:, 0]
+            return self._filtered(s - log_z, u), entropy, after
+        # The weights exp(s / temp): their largest is 1, as categorical's.
+        w = e if self.temp == 1.0 else fastmath.exp(s * (1.0 / self.temp))
+        return fastmath.inverse_cdf(w, u).astype(mx.uint32), entropy, after
+
+    def _filtered(self, logprobs: mx.array, u: mx.array) -> mx.array:
+        """A draw at `u` from log-probs after mlx_lm's filters, at this temperature."""
+        for f in self.filters:
+            logprobs = f(logprobs)
+        return fastmath.categorical(logprobs * (1.0 / self.temp), u=u)
 
     def _pick(self, ids: mx.array, vals: mx.array, u: mx.array) -> mx.array:
         pick = fastmath.categorical(vals * (1 / self.temp), u=u)
         return mx.take_along_axis(ids, pick[..., None].astype(mx.int32), axis=-1).squeeze(-1)
+
+
+def _split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
+    """(this draw's uniform number per row [n, 1], each row's next key) from keys [n, 2]:
+    each key splits into (next key, this draw's key)."""
+    pairs = mx.vmap(mx.random.split)(keys)  # [n, 2, 2]
+    return fastmath.uniform_rows(pairs[:, 1]), pairs[:, 0]
 
 
 class _GenerationBatch(GenerationBatch):
