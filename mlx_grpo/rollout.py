@@ -135,9 +135,8 @@ def _top_k_of(
 ) -> tuple[mx.array, mx.array]:
     """`top_k_candidates` of the log-probs `scores - log_z` ([N, V] and [N, 1]; None:
     `scores` are log-probs), subtracted for the k best only."""
-    k = min(top_k, scores.shape[-1])
-    ids = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
-    vals = mx.take_along_axis(scores, ids, axis=-1).astype(mx.float32)
+    ids, vals = fastmath.top_k(scores, top_k)
+    vals = vals.astype(mx.float32)
     vals = vals if log_z is None else vals - log_z
     order = mx.argsort(-vals, axis=-1)
     ids = mx.take_along_axis(ids, order, axis=-1)
@@ -245,12 +244,14 @@ def _split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
 
 
 class _GenerationBatch(GenerationBatch):
-    """mlx_lm's decode step with two vocabulary-wide CPU costs taken out: the
-    log-softmax normaliser uses `fastmath.exp` (mx.logsumexp's exp is scalar on CPUs),
-    and rows whose samplers are all `KeyedSampler`s with one setting draw in one batched
-    call (`KeyedSampler.draw`: the tokens each row's own call would give) instead of
-    one call per row. Anything else (logits processors, other samplers) takes mlx_lm's
-    own step."""
+    """mlx_lm's decode step, with rows whose samplers are all `KeyedSampler`s of one
+    setting drawn in one batched call from the logits (`KeyedSampler.draw_logits`: the
+    tokens each row's own call would give, and the entropy, from one exp over the
+    vocabulary) instead of one call per row on log-probs that mlx_lm's logsumexp (a
+    scalar exp on CPUs) normalised. Such a step's responses carry in `logprobs` the
+    entropy of the row's distribution (a 0-d array), not its log-probs: the rollout needs
+    nothing else of them, and writing them out costs a vocabulary-wide pass a token.
+    Anything else (logits processors, other samplers) takes mlx_lm's own step."""
 
     def _step(self):
         samplers = self.samplers or []
@@ -265,9 +266,11 @@ class _GenerationBatch(GenerationBatch):
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        logprobs = fastmath.log_softmax(logits)
-        self._next_tokens = KeyedSampler.draw(samplers, logprobs)
-        self._next_logprobs = list(logprobs)
+        keys = mx.stack([s.key for s in samplers])
+        self._next_tokens, entropy, keys = samplers[0].draw_logits(keys, logits)
+        for i, s in enumerate(samplers):
+            s.key = keys[i]
+        self._next_logprobs = list(entropy)
         mx.async_eval(self._next_tokens, self._next_logprobs)
         # As mlx_lm's step: the current tokens join self.tokens (what the cache holds).
         mx.eval(inputs, self._current_logprobs)
@@ -429,7 +432,14 @@ def _decode(
         # Each step's entropies, queued behind the next step rather than waited for.
         steps: list[tuple[list[int], mx.array]] = []
         while responses := gen.next_generated():
-            ent = fastmath.entropy(mx.stack([r.logprobs for r in responses]))
+            ent = [r.logprobs for r in responses]
+            # Rows from mlx_lm's own code (the draw after a prefill, other samplers)
+            # carry log-probs, the others their entropy already (see _GenerationBatch).
+            if full := [i for i, x in enumerate(ent) if x.ndim]:
+                h = fastmath.entropy(mx.stack([ent[i] for i in full]))
+                for j, i in enumerate(full):
+                    ent[i] = h[j]
+            ent = mx.stack(ent)
             mx.async_eval(ent)
             steps.append(([r.uid for r in responses], ent))
             for r in responses:

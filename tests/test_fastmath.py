@@ -95,6 +95,40 @@ def test_categorical_draws_softmax_frequencies_and_never_a_masked_entry():
         assert np.all(np.abs(freq - want) <= 5 * sd + 1 / n), (logits, freq, want)
 
 
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_top_k_gives_the_k_largest_values_of_wide_rows(k):
+    """The k values `fastmath.top_k` picks are the k largest of their row, each at its
+    own id, against NumPy's sort, on rows wide enough to go by blocks and not a whole
+    number of blocks: all k in one block, one in each of k blocks, ties across blocks,
+    a row of ties, and rows with fewer than k entries above -inf."""
+    v = 2 * k * fastmath.TOP_K_BLOCK + 77
+    rng = np.random.default_rng(k)
+    rows = [rng.normal(size=v) * s for s in (0.5, 3.0)]
+    one_block = rng.normal(size=v) - 10
+    one_block[300 : 300 + k] = rng.normal(size=k) + 5  # inside the second block
+    rows.append(one_block)
+    spread = rng.normal(size=v) - 10
+    spread[np.arange(k) * fastmath.TOP_K_BLOCK + 7] = rng.normal(size=k) + 5
+    rows.append(spread)
+    ties = np.round(rng.normal(size=v), 1)  # many equal values, the k-th among them
+    rows.append(ties)
+    rows.append(np.zeros(v))
+    sparse = np.full(v, -np.inf)
+    sparse[[3, v - 1]] = [1.0, 2.0]  # the last entry, in the padded block
+    rows.append(sparse)
+    x = np.stack(rows).astype(np.float32)
+    ids, vals = fastmath.top_k(mx.array(x), k)
+    ids, vals = np.array(ids), np.array(vals)
+    assert ids.shape == vals.shape == (len(rows), k)
+    for r, row in enumerate(x):
+        want = np.sort(row)[::-1][:k]
+        assert np.array_equal(np.sort(vals[r])[::-1], want), r
+        assert np.all(ids[r] < v)
+        finite = vals[r] > -np.inf
+        assert np.array_equal(row[ids[r][finite]], vals[r][finite]), r
+        assert len(set(ids[r][finite].tolist())) == finite.sum(), r  # each at its own id
+
+
 def test_categorical_is_a_function_of_its_key():
     logits = mx.array(np.random.default_rng(3).normal(size=(6, 500)).astype(np.float32))
     a = fastmath.categorical(logits, key=mx.random.key(11))

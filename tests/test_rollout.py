@@ -115,16 +115,18 @@ def test_keyed_samples_do_not_depend_on_the_batch(tiny):
     assert [c.tokens for c in top1.completions] == [c.tokens for c in greedy.completions]
 
 
-def test_top_k_sampler_keeps_mlx_lm_candidates_and_distribution():
+@pytest.mark.parametrize("vocab", [300, 12_000])
+def test_top_k_sampler_keeps_mlx_lm_candidates_and_distribution(vocab):
     """The fast top-k/top-p sampler keeps exactly the tokens mlx_lm's apply_top_p then
-    apply_top_k keep, and samples them with mlx_lm's tempered probabilities."""
+    apply_top_k keep (12,000 words: k = 5 and 20 go by blocks, `fastmath.top_k`), and
+    samples them with mlx_lm's tempered probabilities."""
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
     from mlx_grpo.rollout import top_k_candidates, top_k_sampler
 
     mx.random.seed(3)
     for spread in (0.5, 2.0, 6.0):
-        logits = mx.random.normal((6, 300)) * spread
+        logits = mx.random.normal((6, vocab)) * spread
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         for k, p in ((5, 0.5), (20, 0.95), (20, 1.0), (50, 0.9)):
             ref = logprobs if p >= 1.0 else apply_top_p(logprobs, p)
