@@ -24,7 +24,24 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_grpo.logprobs import length_buckets
 
-CAPACITY_STEP = 256  # columns: turns whose contexts round to the same size share a trace
+MIN_CAPACITY = 64  # columns
+
+
+def capacity(columns: int) -> int:
+    """The cache width for a turn that needs `columns`: the next of four sizes an octave
+    (64, 80, 96, 112, 128, 160, ...), so turns whose contexts round to the same size
+    share a trace, traces stay few (four an octave of context), and every step's
+    attention runs over less than 1.25x the columns it needs.
+
+    >>> [capacity(n) for n in (1, 64, 65, 110, 129, 765, 1100)]
+    [64, 64, 80, 112, 160, 768, 1280]
+    """
+    if columns <= MIN_CAPACITY:
+        return MIN_CAPACITY
+    step = 1 << ((columns - 1).bit_length() - 3)
+    return -(-columns // step) * step
+
+
 # What a separate prefill pass over a bucket of rows costs beyond its padded positions,
 # in positions (its dispatch, and the gather and scatter of those rows' caches): it sets
 # how finely a turn's tails are bucketed by length (`logprobs.length_buckets`).
@@ -113,7 +130,7 @@ class CompiledDecoder:
         rests = [len(t) - 1 for t in tails]
         p_end, r_max = max(plens), max(rests)
         width = p_end + r_max  # L: the column of the tails' last tokens
-        cap = -(-(width + max_tokens + 1) // CAPACITY_STEP) * CAPACITY_STEP
+        cap = capacity(width + max_tokens + 1)
         left = [p_end - n for n in plens]
         tail_start = [width - r for r in rests]
         full = caches[plens.index(p_end)]  # a row with keys, for their shape

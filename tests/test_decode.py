@@ -6,6 +6,7 @@ leaves them, and a bounded number of compiled shapes."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from conftest import assert_f32_close, tiny_additions
 
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import LoRAConfig, RolloutConfig
-from mlx_grpo.decode import CAPACITY_STEP, CompiledDecoder
+from mlx_grpo.decode import CompiledDecoder, capacity
 from mlx_grpo.models import apply_lora
 from mlx_grpo.rollout import _decode, keyed_samplers, prefill_prompts
 
@@ -86,6 +87,7 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, overhead, m
     assert model._compiled_decoder.traces > 1  # the batch shrank
     if overhead is not None:
         assert buckets and min(buckets) > 2  # the rows' tails in several buckets
+    widest = capacity(max(c[0].offset for c in want_caches) + cfg.max_new_tokens + 1)
     for a, b in zip(want_caches, got_caches):
         for x, y in zip(a, b):
             assert y.offset == x.offset
@@ -93,8 +95,8 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, overhead, m
                 u, v = np.array(u[..., : x.offset, :]), np.array(v[..., : y.offset, :])
                 # A key is one projection of a hidden state that went through two
                 # layers of sums of at most 64 terms and one attention row of at most
-                # CAPACITY_STEP * 2 terms.
-                bound = 4 * (64 * 2 + 2 * CAPACITY_STEP) * np.finfo(np.float32).eps
+                # the widest turn's capacity.
+                bound = 4 * (64 * 2 + widest) * np.finfo(np.float32).eps
                 assert np.abs(u - v).max() <= bound * max(np.abs(u).max(), 1.0)
 
 
@@ -143,7 +145,8 @@ def test_each_sampled_id_carries_the_entropy_of_the_distribution_it_came_from(
     # (at most the longest sequence; the compiled path attends over its capacity) in
     # another order; the entropy then sums over the vocabulary.
     config = json.loads((tiny_model_dir / "config.json").read_text())
-    n = tiny_additions(config) + max(map(len, seqs)) + (CAPACITY_STEP if compiled else 0)
+    longest = max(map(len, seqs))
+    n = tiny_additions(config) + longest + (capacity(longest + 13) if compiled else 0)
     assert_f32_close(got, want, n, "entropies")
 
 
@@ -174,9 +177,19 @@ def test_both_paths_stop_after_a_line_break_under_stop_at_newline(tiny, monkeypa
     assert any(breaks & set(ids[:-1]) for ids, _ in free[0])
 
 
-def test_turns_of_varied_lengths_share_a_compiled_shape(tiny):
-    """Ten turns of different prompt and tail lengths within one capacity step and one
-    batch size compile one graph; a batch of another size compiles one more."""
+def test_turns_of_varied_lengths_share_a_compiled_shape(tiny, monkeypatch):
+    """Twenty turns of different prompt and tail lengths at one batch size compile one
+    graph per cache width they take, and they take few (four an octave of context);
+    a batch of another size compiles one more."""
+    import mlx_grpo.decode as decode_mod
+
+    needs, size = [], decode_mod.capacity  # the columns each turn needs
+
+    def recorded(columns):
+        needs.append(columns)
+        return size(columns)
+
+    monkeypatch.setattr(decode_mod, "capacity", recorded)
     model, tok = tiny
     cfg = RolloutConfig(max_new_tokens=8, compile_decode=True)
     decoder = CompiledDecoder(model)
@@ -187,11 +200,14 @@ def test_turns_of_varied_lengths_share_a_compiled_shape(tiny):
         out = decoder([[p[-1]] for p in prompts], caches, 8, set(tok.eos_token_ids), samplers)
         tails = [tok.encode("o" * (1 + n + 2 * i)) for i in range(4)]
         decoder(tails, [c for _, _, c, _ in out], 8, set(tok.eos_token_ids), samplers)
-    assert decoder.traces == 1
+    widths = {size(c) for c in needs}
+    assert len(set(needs)) > 2 * len(widths)  # many lengths, few widths
+    assert len(widths) <= 4 * math.log2(max(needs) / min(needs)) + 1
+    assert decoder.traces == len(widths)
     samplers = keyed_samplers(cfg, mx.random.split(mx.random.key(0), 3))
     caches = prefill_prompts(model, prompts[:3])
     decoder([[p[-1]] for p in prompts[:3]], caches, 8, set(tok.eos_token_ids), samplers)
-    assert decoder.traces == 2
+    assert decoder.traces == len(widths) + 1
 
 
 def test_the_compiled_step_reads_the_adapters_current_weights(tiny):
@@ -222,9 +238,18 @@ def test_the_compiled_step_reads_the_adapters_current_weights(tiny):
     assert runs[0][1] == runs[1][1]  # from the graph traced before the update
 
 
-def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_path):
+def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_path, monkeypatch):
     """Two steps of the multi-turn toy recipe (adapters folded for sampling, as in
     every run): the same episodes, so the same rewards, lengths and samples."""
+    import mlx_grpo.decode as decode_mod
+
+    widths = [0]  # the cache widths the compiled turns take
+
+    def recorded(columns, size=decode_mod.capacity):
+        widths.append(size(columns))
+        return widths[-1]
+
+    monkeypatch.setattr(decode_mod, "capacity", recorded)
     logs = {}
     for name, flag in [("plain", "false"), ("compiled", "true")]:
         args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}"]
@@ -242,9 +267,10 @@ def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_pat
     assert logs["compiled"] == logs["plain"] and logs["plain"]
     assert logs["compiled/m"] == logs["plain/m"]
     # Each episode's mean entropy: its logits through the layers' reductions and an
-    # attention row over the capacity on the compiled path.
+    # attention row over the cache's width on the compiled path (the plain path's rows
+    # are no longer).
     config = json.loads((tiny_model_dir / "config.json").read_text())
-    n = tiny_additions(config) + 2 * CAPACITY_STEP
+    n = tiny_additions(config) + 2 * max(widths)
     assert_f32_close(logs["compiled/entropy"], logs["plain/entropy"], n, "entropy")
     assert logs["plain/traces"] == [None, None]
     assert 0 < logs["compiled/traces"][0] <= logs["compiled/traces"][1]
