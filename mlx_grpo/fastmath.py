@@ -115,15 +115,8 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return _fast_swiglu(gate, x)
 
 
-def log_softmax(x: mx.array) -> mx.array:
-    """x - logsumexp(x) over the last axis, with `exp` (mx.logsumexp's exp is scalar on
-    CPUs)."""
-    m = mx.stop_gradient(x.max(axis=-1, keepdims=True))
-    return x - (m + mx.log(exp((x - m).astype(mx.float32)).sum(axis=-1, keepdims=True)))
-
-
 def entropy(logprobs: mx.array) -> mx.array:
-    """-sum p log p over the last axis of log-probabilities (log_softmax's output), in
+    """-sum p log p over the last axis of log-probabilities, in
     float32, with `exp`; a masked token (log-prob -inf) adds 0."""
     lp = logprobs.astype(mx.float32)
     p = exp(lp)
@@ -140,7 +133,7 @@ def softmax_parts(logits: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.ar
     """(s = logits - max, e = exp(s), log Z, entropy) over the last axis, in float32, with
     Z = sum e (so log-probs are s - log Z) and entropy = log Z - sum(e s) / Z: what a
     decode step needs of a row's distribution from one exp over the vocabulary, where
-    log_softmax then `entropy` take two and write the log-probs in between. A logit of
+    log-probs then `entropy` take two and write the log-probs in between. A logit of
     -inf adds 0 to the entropy."""
     x = logits.astype(mx.float32)
     s = x - x.max(axis=-1, keepdims=True)

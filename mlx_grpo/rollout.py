@@ -191,12 +191,16 @@ class KeyedSampler:
     def draw(samplers: list[KeyedSampler], logprobs: mx.array) -> mx.array:
         """One token per row of `logprobs` ([n, V]), row i from `samplers[i]`'s key
         stream (the samplers share their settings); each key moves on one split."""
-        first = samplers[0]
-        keys = first.key[None] if len(samplers) == 1 else mx.stack([s.key for s in samplers])
-        tokens, keys = first.draw_rows(keys, logprobs)
-        for i, s in enumerate(samplers):
-            s.key = keys[i]
+        tokens, keys = samplers[0].draw_rows(_stacked_keys(samplers), logprobs)
+        _advance(samplers, keys)
         return tokens
+
+    @staticmethod
+    def draw_from_logits(samplers: list[KeyedSampler], logits: mx.array) -> tuple:
+        """`draw` from logits ([n, V]): (tokens, each row's entropy), by `draw_logits`."""
+        tokens, entropy, keys = samplers[0].draw_logits(_stacked_keys(samplers), logits)
+        _advance(samplers, keys)
+        return tokens, entropy
 
     def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
         """(one token per row of `logprobs`, each row's next key) at this sampler's
@@ -236,6 +240,17 @@ class KeyedSampler:
         return mx.take_along_axis(ids, pick[..., None].astype(mx.int32), axis=-1).squeeze(-1)
 
 
+def _stacked_keys(samplers: list[KeyedSampler]) -> mx.array:
+    """The samplers' keys as one [n, 2] array."""
+    return samplers[0].key[None] if len(samplers) == 1 else mx.stack([s.key for s in samplers])
+
+
+def _advance(samplers: list[KeyedSampler], keys: mx.array) -> None:
+    """Each sampler takes its row of `keys` ([n, 2]) as its next key."""
+    for i, s in enumerate(samplers):
+        s.key = keys[i]
+
+
 def _split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
     """(this draw's uniform number per row [n, 1], each row's next key) from keys [n, 2]:
     each key splits into (next key, this draw's key)."""
@@ -266,10 +281,7 @@ class _GenerationBatch(GenerationBatch):
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        keys = mx.stack([s.key for s in samplers])
-        self._next_tokens, entropy, keys = samplers[0].draw_logits(keys, logits)
-        for i, s in enumerate(samplers):
-            s.key = keys[i]
+        self._next_tokens, entropy = KeyedSampler.draw_from_logits(samplers, logits)
         self._next_logprobs = list(entropy)
         mx.async_eval(self._next_tokens, self._next_logprobs)
         # As mlx_lm's step: the current tokens join self.tokens (what the cache holds).
