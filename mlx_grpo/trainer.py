@@ -53,7 +53,7 @@ from mlx_grpo.guidance import demonstration_advantages, demonstration_starts, gu
 from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled, adapters_set
-from mlx_grpo.procmem import descendants_bytes
+from mlx_grpo.procmem import descendants_bytes, keep_freed_memory
 from mlx_grpo.recipe import INFRASTRUCTURE_FAILURES, Recipe, Scored, Task
 from mlx_grpo.rollout import Completion, Rollout, ill_formed_turns, keyed_samplers, rollout_tasks
 from mlx_grpo.runfolder import RunFolder
@@ -341,7 +341,11 @@ def train(
     that advantages, the curriculum and the metrics see the whole batch, and the
     gradients are summed before clipping, so all ranks take the same step. Rank 0
     alone writes logs and checkpoints (and runs `evaluate_fn`).
+
+    From here on the process keeps the memory it frees (`procmem.keep_freed_memory`):
+    every step allocates what the last one freed.
     """
+    keep_freed_memory()
     g, b = cfg.grpo.num_generations, cfg.train.batch_size
     dist = dist or Dist()
     main = dist.is_main
