@@ -67,8 +67,8 @@ _INT_MAX = 2**31 - 1
 
 def keep_freed_memory() -> bool:
     """Keep glibc's allocator from handing freed memory back to the kernel: no block is
-    mmap'd on its own (each of those is unmapped when freed), and the heap is not
-    trimmed below 2 GB of free space. MLX frees and allocates buffers of the same sizes
+    mmap'd on its own (each of those is unmapped when freed), and the heap is trimmed
+    only when more than 2 GB at its top is free. MLX frees and allocates buffers of the same sizes
     every step; memory handed back comes again as fresh pages, and a fresh page costs
     a page fault and its zeroing. Whether the allocator hands memory back depends on the
     process's history (glibc raises its mmap threshold as blocks are freed), so without

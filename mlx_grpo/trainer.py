@@ -345,7 +345,6 @@ def train(
     From here on the process keeps the memory it frees (`procmem.keep_freed_memory`):
     every step allocates what the last one freed.
     """
-    keep_freed_memory()
     g, b = cfg.grpo.num_generations, cfg.train.batch_size
     dist = dist or Dist()
     main = dist.is_main
@@ -368,6 +367,7 @@ def train(
         raise TrainingError(f"grpo.demo_starts: recipe {recipe.name} is single-turn")
     if not main:  # (rank 0 speaks for the run)
         say = info = _silent
+    keep_freed_memory()  # (once the settings are known to be sound)
     run = RunFolder(run_dir)
     metrics_log, samples_log = JsonlWriter(run.metrics_file), JsonlWriter(run.samples_file)
     # A run stopped before its first checkpoint keeps what it had done (the base
