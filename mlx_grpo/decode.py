@@ -160,7 +160,8 @@ class CompiledDecoder:
             # bucket's padding queries write into the gap, which no row sees.
             for bucket in length_buckets(rests, PREFILL_BUCKET_OVERHEAD):
                 r_b = max(rests[j] for j in bucket)
-                sub = mx.array(bucket) if len(bucket) < b else None
+                # (a bucket lists its rows longest first: a gather unless it is the batch)
+                sub = None if bucket == list(range(b)) else mx.array(bucket)
                 pick = (lambda x: x) if sub is None else (lambda x, sub=sub: x[sub])  # noqa: E731
                 rows = [[0] * (r_b - rests[j]) + tails[j][:-1] for j in bucket]
                 part = tuple(pick(m) if m.ndim else m for m in meta)

@@ -100,6 +100,57 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, overhead, m
                 assert np.abs(u - v).max() <= bound * max(np.abs(u).max(), 1.0)
 
 
+def test_rows_whose_tails_share_one_prefill_bucket_each_decode_as_alone(
+    tiny, tiny_model_dir, monkeypatch
+):
+    """Observations of close lengths, fed shortest first: their tails are prefilled in
+    one bucket, which lists the rows longest first. Each row then samples what it
+    samples alone in a batch of one (a batch whose layout nothing else shapes), and
+    what the op-by-op path samples; its cache holds its own tail's keys."""
+    import mlx_grpo.decode as decode_mod
+
+    buckets = []
+
+    def recorded(lengths, cost, split=decode_mod.length_buckets):
+        buckets.append(split(lengths, cost))
+        return buckets[-1]
+
+    monkeypatch.setattr(decode_mod, "length_buckets", recorded)
+    model, tok = tiny
+    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
+    cfg = RolloutConfig(max_new_tokens=12, temperature=1.5, compile_decode=True)
+    prompts = [tok.encode(f"prompt {'w' * i} number {i}") for i in range(6)]
+    observations = [tok.encode(" " + "ab" * (i + 1)) for i in range(6)]
+    keys = mx.random.split(mx.random.key(11), len(prompts))
+
+    def second_turn(rows, compiled):
+        c = cfg.model_copy(update={"compile_decode": compiled})
+        samplers = keyed_samplers(c, keys[mx.array(rows)])
+        caches = prefill_prompts(model, [prompts[i] for i in rows])
+        first = _decode(model, tok, [[prompts[i][-1]] for i in rows], caches, c, samplers)
+        caches = [cache for _, _, cache, _ in first]
+        return _decode(model, tok, [observations[i] for i in rows], caches, c, samplers)
+
+    batch = second_turn(list(range(6)), True)
+    assert buckets[-1] == [[5, 4, 3, 2, 1, 0]]  # one bucket, not in the batch's order
+    plain = second_turn(list(range(6)), False)
+    assert [(ids, f) for ids, f, _, _ in batch] == [(ids, f) for ids, f, _, _ in plain]
+    # Alone, a row's attention runs over another width, with its columns elsewhere: its
+    # sums in another order (the layers' reductions and one attention row of at most
+    # the batch's capacity; the entropy then sums over the vocabulary).
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    widest = capacity(max(c[0].offset for _, _, c, _ in batch) + cfg.max_new_tokens + 1)
+    bound = 4 * (64 * 2 + widest) * np.finfo(np.float32).eps
+    for i in range(6):
+        ((ids, finish, cache, entropies),) = second_turn([i], True)
+        assert (ids, finish) == batch[i][:2]
+        assert_f32_close(entropies, batch[i][3], tiny_additions(config) + widest, "entropies")
+        for x, y in zip(cache, batch[i][2]):
+            assert x.offset == y.offset
+            u, v = np.array(x.keys[..., : x.offset, :]), np.array(y.keys[..., : y.offset, :])
+            assert np.abs(u - v).max() <= bound * max(np.abs(u).max(), 1.0)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_each_sampled_id_carries_the_entropy_of_the_distribution_it_came_from(
     tiny, tiny_model_dir, compiled, monkeypatch
