@@ -116,10 +116,10 @@ class RolloutConfig(_Section):
         "matmul per layer instead of three, for a transient copy of those weights.",
     )
     compile_decode: bool = Field(
-        False,
+        True,
         description="Decode with one compiled graph per token (mlx_grpo.decode: a "
         "fixed-capacity KV cache, the model call and the keyed draw fused), instead of "
-        "mlx_lm's op-by-op batch generator; the same tokens for the same keys.",
+        "mlx_lm's op-by-op batch generator (false); the same tokens for the same keys.",
     )
 
 
