@@ -8,12 +8,13 @@ sampler), not arithmetic. Here the rows of a turn share one fixed-capacity cache
 step attends over the whole capacity through a mask, so all steps of a turn have the
 same shapes and run one compiled graph (model call, the keyed draw and the entropy).
 
-The cache of row i holds, from left to right: padding; its prefix (`caches[i]`, ending
-at column P for every row); a gap; its tail but the last token (ending at column L);
-then one column per step. The mask keeps the padding and the gap out of every query,
-and the rotary positions skip the gap, so each row computes what it would alone: the
-same tokens as the op-by-op path (`rollout._decode`) for the same keys, up to float32
-rounding of the attention over a longer (masked) row.
+The cache of row i holds, from left to right: padding; its prefix (`caches[i]`) and its
+tail but the last token, contiguous and ending at column L for every row; then one
+column per step. The tails are prefilled first, in buckets of like lengths, each over a
+cache of its own rows (`CompiledDecoder._prefill`). The mask keeps the padding out of
+every query, and the rotary positions count from each row's first column, so each row
+computes what it would alone: the same tokens as the op-by-op path (`rollout._decode`)
+for the same keys, up to float32 rounding of the attention over a longer (masked) row.
 """
 
 from __future__ import annotations
@@ -118,67 +119,92 @@ class CompiledDecoder:
             self._steps[settings] = mx.compile(step, inputs=model.state)
         return self._steps[settings]
 
+    def _prefill(self, tails, prefixes, plens, rests, bucket) -> list[list[mx.array]]:
+        """The keys and values ([1, H, rests[j], D] per layer and part) of the tails
+        but their last tokens, for the rows j of `bucket`, in one pass over a cache of
+        their own: row j holds padding, its prefix (ending at the bucket's longest,
+        column P), a gap, then its tail, right-aligned at column P + the longest tail.
+        The padding queries of a shorter tail write into its gap, which no query sees."""
+        p, r = max(plens[j] for j in bucket), max(rests[j] for j in bucket)
+        left = [p - plens[j] for j in bucket]
+        tail_start = [p + r - rests[j] for j in bucket]
+        layers = []
+        for li, like in enumerate(prefixes[bucket[0]]):
+            h, d, dtype = like.shape[1], like.shape[3], like.dtype
+            rows = [
+                mx.concatenate(
+                    [mx.zeros((1, h, a, d), dtype), prefixes[j][li], mx.zeros((1, h, r, d), dtype)],
+                    axis=2,
+                )
+                for j, a in zip(bucket, left)
+            ]
+            layers.append(mx.concatenate(rows))
+        meta = (
+            mx.array(left),
+            mx.array(p),
+            mx.array(tail_start),
+            mx.array([t - plens[j] for t, j in zip(tail_start, bucket)]),
+        )
+        cache = [
+            StaticCache(layers[2 * i], layers[2 * i + 1], mx.array(p), *meta)
+            for i in range(len(layers) // 2)
+        ]
+        self.model(mx.array([[0] * (r - rests[j]) + tails[j][:-1] for j in bucket]), cache=cache)
+        out = [
+            [x[q : q + 1, :, p + r - rests[j] :, :] for c in cache for x in (c.keys, c.values)]
+            for q, j in enumerate(bucket)
+        ]
+        mx.eval(out)
+        return out
+
     def __call__(self, tails, caches, max_tokens: int, stop_ids, samplers):
         """As `rollout._decode`: per row, (sampled ids, "stop" or "length", its own
         cache holding `caches[i]`, the tail and every sampled id, the entropy of each
         sampled id's distribution). `samplers` are
         `KeyedSampler`s of one setting; each ends with the key the op-by-op path
         leaves it (one split per draw, including the draw after its last token)."""
-        model, b = self.model, len(tails)
+        b = len(tails)
         n_layers = len(caches[0])
         plens = [c[0].offset for c in caches]
         rests = [len(t) - 1 for t in tails]
-        p_end, r_max = max(plens), max(rests)
-        width = p_end + r_max  # L: the column of the tails' last tokens
+        ends = [n + r for n, r in zip(plens, rests)]
+        width = max(ends)  # L: the column of the tails' last tokens
         cap = capacity(width + max_tokens + 1)
-        left = [p_end - n for n in plens]
-        tail_start = [width - r for r in rests]
-        full = caches[plens.index(p_end)]  # a row with keys, for their shape
-        layers = []
-        for li in range(n_layers):
-            for part in ("keys", "values"):
-                like = getattr(full[li], part)
-                h, d, dtype = like.shape[1], like.shape[3], like.dtype
-                rows = []
-                for row, n, a in zip(caches, plens, left):
-                    x = getattr(row[li], part)
-                    x = mx.zeros((1, h, 0, d), dtype) if x is None else x[..., :n, :]
-                    pads = mx.zeros((1, h, a, d), dtype), mx.zeros((1, h, cap - p_end, d), dtype)
-                    rows.append(mx.concatenate([pads[0], x, pads[1]], axis=2))
-                layers.append(mx.concatenate(rows))
-        meta = (
-            mx.array(left),
-            mx.array(p_end),
-            mx.array(tail_start),
-            mx.array([s - n for s, n in zip(tail_start, plens)]),
-        )
-        if r_max:  # the tails but their last tokens, right-aligned at column L (eagerly)
-            # Rows with a one-token tail (a turn's first row, or rows whose answer
-            # `share_tails` prefilled) have nothing to prefill. The others run in
-            # buckets of like lengths, each padded to its own longest tail, not to the
-            # longest of all (a turn's pages run from a few tokens to hundreds); a
-            # bucket's padding queries write into the gap, which no row sees.
+        start = [width - e for e in ends]  # each row's first column
+        full = caches[plens.index(max(plens))]  # a row with keys, for their shape
+        shapes = [(x.shape[1], x.shape[3], x.dtype) for c in full for x in (c.keys, c.values)]
+        prefixes = [
+            [
+                mx.zeros((1, h, 0, d), dtype) if x is None else x[..., :n, :]
+                for (h, d, dtype), x in zip(shapes, (x for c in row for x in (c.keys, c.values)))
+            ]
+            for row, n in zip(caches, plens)
+        ]
+        # The tails but their last tokens (eagerly). Rows with a one-token tail (a
+        # turn's first row, or rows whose answer `share_tails` prefilled) have nothing
+        # to prefill. The others run in buckets of like lengths, each over its own
+        # rows' prefixes and padded to its own longest tail, not to the longest of all
+        # (a turn's pages run from a few tokens to hundreds).
+        tail_kv = [[] for _ in range(b)]
+        if max(rests):
             for bucket in length_buckets(rests, PREFILL_BUCKET_OVERHEAD):
-                r_b = max(rests[j] for j in bucket)
-                # (a bucket lists its rows longest first: a gather unless it is the batch)
-                sub = None if bucket == list(range(b)) else mx.array(bucket)
-                pick = (lambda x: x) if sub is None else (lambda x, sub=sub: x[sub])  # noqa: E731
-                rows = [[0] * (r_b - rests[j]) + tails[j][:-1] for j in bucket]
-                part = tuple(pick(m) if m.ndim else m for m in meta)
-                at = mx.array(width - r_b)
-                cache = [
-                    StaticCache(pick(layers[2 * i]), pick(layers[2 * i + 1]), at, *part)
-                    for i in range(n_layers)
-                ]
-                model(mx.array(rows), cache=cache)
-                filled = [a for c in cache for a in (c.keys, c.values)]
-                if sub is None:
-                    layers = filled
-                else:
-                    for x, y in zip(layers, filled):
-                        x[sub] = y
-                mx.eval(layers)
-                del cache, filled
+                for j, kv in zip(bucket, self._prefill(tails, prefixes, plens, rests, bucket)):
+                    tail_kv[j] = kv
+        # Row i: padding, its prefix and its tail from column start[i] to L, then one
+        # column for each step.
+        layers = []
+        for li, (h, d, dtype) in enumerate(shapes):
+            rows = []
+            for i in range(b):
+                parts = [mx.zeros((1, h, start[i], d), dtype), prefixes[i][li]]
+                parts += tail_kv[i][li : li + 1]
+                parts.append(mx.zeros((1, h, cap - width, d), dtype))
+                rows.append(mx.concatenate(parts, axis=2))
+            layers.append(mx.concatenate(rows))
+        del prefixes, tail_kv
+        mx.eval(layers)
+        at = mx.array(start)  # no prefix part: the row's tail part is all of it
+        meta = (at, mx.array(0), at, at)
         pos = mx.array(width)  # column L: each row's last tail token, the first step's input
         step = self._step(samplers[0], n_layers)
         keys = mx.stack([s.key for s in samplers])
@@ -195,12 +221,7 @@ class CompiledDecoder:
             end = width + 1 + len(out[i])  # its tail's last token and every sampled id
             parts = []
             for x in layers:
-                x = x[j : j + 1]
-                parts.append(
-                    mx.concatenate(
-                        [x[..., left[i] : p_end, :], x[..., tail_start[i] : end, :]], axis=2
-                    )
-                )
+                parts.append(x[j : j + 1, :, start[i] : end, :])
             own = []
             for li in range(n_layers):
                 c = KVCache()
