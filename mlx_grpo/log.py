@@ -15,6 +15,12 @@ from rich.text import Text
 
 from mlx_grpo.durable import append_record
 
+# Figures of the process that ran a step rather than of the run: seconds, memory, and the
+# shapes compiled so far (a resumed process traces its shapes again). A resumed run, a
+# loaded machine or another CPU gives other values for the same step, so anything that
+# compares two runs step by step leaves these out.
+PROCESS_METRICS = ("time/", "rollout/tokens_per_s", "memory/", "compile/")
+
 KEY_METRICS = (
     "reward/mean",
     "reward/std",

@@ -16,11 +16,12 @@ import numpy as np
 from conftest import assert_f32_close, f32_tolerance, tiny_additions
 
 from mlx_grpo.cli import cmd_train
+from mlx_grpo.log import PROCESS_METRICS
 
 TESTS = Path(__file__).parent
 TOY = TESTS / "data" / "toy"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
-TIMING = ("time/", "rollout/tokens_per_s", "memory/", "dist/")
+PROCESS = PROCESS_METRICS + ("dist/",)
 
 
 def _free_port_pair() -> int:
@@ -79,7 +80,7 @@ def _run_args(model_dir, *extra) -> list[str]:
 
 def _metrics(run: Path) -> list[dict]:
     rows = _jsonl(run / "metrics.jsonl")
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(PROCESS)} for r in rows]
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -17,6 +17,7 @@ import pytest
 
 from mlx_grpo.config import ConfigError, build_config, parse_overrides
 from mlx_grpo.evaluate import TaskResult, summarize
+from mlx_grpo.log import PROCESS_METRICS
 from mlx_grpo.trackers import PROJECT, TrackerError, require, wandb_history
 
 TOY = Path(__file__).parent / "data" / "toy"
@@ -63,9 +64,6 @@ def _env(tmp: Path) -> dict:
     }
 
 
-TIMING = ("time/", "rollout/tokens_per_s", "memory/")
-
-
 def _metrics(run: Path) -> dict[int, dict]:
     """{step: metrics} of metrics.jsonl, and the base model's held-out figures as step 0,
     without timings (a step the killed run logged and the resumed run redid differs in
@@ -76,7 +74,9 @@ def _metrics(run: Path) -> dict[int, dict]:
     base = summarize([TaskResult(**r) for e in evals if e["step"] == 0 for r in e["results"]])
     assert base, "the base model's evaluation is in eval.jsonl"
     out[0] = base
-    return {s: {k: v for k, v in m.items() if not k.startswith(TIMING)} for s, m in out.items()}
+    return {
+        s: {k: v for k, v in m.items() if not k.startswith(PROCESS_METRICS)} for s, m in out.items()
+    }
 
 
 def _sampled_steps(run: Path) -> list[int]:

@@ -20,6 +20,7 @@ from conftest import cut_back
 import mlx_grpo.trainer as trainer_mod
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import ConfigError
+from mlx_grpo.log import PROCESS_METRICS
 from mlx_grpo.trainer import TrainingError
 
 TOY = Path(__file__).parent / "data" / "toy"
@@ -48,7 +49,6 @@ REQUIRED = [
     "nonfinite/skipped",
     "adapter/delta_norm",
 ]
-TIMING = ("time/", "rollout/tokens_per_s", "memory/")
 
 
 def _args(model_dir, out, run, *extra):
@@ -74,7 +74,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(PROCESS_METRICS)} for r in rows]
 
 
 def test_train_logs_every_metric_and_saves_loadable_adapters(tiny_model_dir, tmp_path):

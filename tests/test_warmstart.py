@@ -19,6 +19,7 @@ from conftest import cut_back, f32_tolerance, tiny_additions
 from mlx_grpo.cli import cmd_train, resolve_config
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.grpo import micro_batches
+from mlx_grpo.log import PROCESS_METRICS
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.rollout import Rollout
 from mlx_grpo.trainer import TrainingError, build_loss_inputs
@@ -136,9 +137,11 @@ def test_a_run_warms_up_after_the_base_evaluation(tiny_model_dir, tmp_path, monk
     cut = cut_back(run.path, tmp_path / "cut", 0)
     assert cmd_train(["--resume", str(cut)]) == 0
     assert calls == [1]
-    timing = ("time/", "rollout/tokens_per_s", "memory/")
     rows = [
-        [{k: v for k, v in json.loads(x).items() if not k.startswith(timing)} for x in lines]
+        [
+            {k: v for k, v in json.loads(x).items() if not k.startswith(PROCESS_METRICS)}
+            for x in lines
+        ]
         for lines in ((d / "metrics.jsonl").read_text().splitlines() for d in (run.path, cut))
     ]
     assert rows[0] == rows[1] and len(rows[0]) == 3
@@ -265,10 +268,9 @@ def test_the_warm_start_as_the_kl_reference(tiny_model_dir, tmp_path):
 
     cut = cut_back(folder.path, tmp_path / "cut", 0)
     assert cmd_train(["--resume", str(cut)]) == 0
-    timing = ("time/", "rollout/tokens_per_s", "memory/")
     again = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
-    assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in again] == [
-        {k: v for k, v in r.items() if not k.startswith(timing)} for r in start
+    assert [{k: v for k, v in r.items() if not k.startswith(PROCESS_METRICS)} for r in again] == [
+        {k: v for k, v in r.items() if not k.startswith(PROCESS_METRICS)} for r in start
     ]
     cut2 = cut_back(folder.path, tmp_path / "cut2", 0)
     (cut2 / RunFolder.REFERENCE).unlink()
