@@ -130,3 +130,23 @@ def test_a_runner_cut_off_by_its_limit_reports_its_finished_steps(tmp_path, monk
     )
     text = log.read_text()
     assert "still going" in text and text.count(wu.STEP_TAG) == 2
+
+
+def test_the_ratio_column_is_mlx_grpo_step_over_each_system_and_empty_when_it_failed():
+    from mlx_grpo.bench.speed import tables
+
+    def summary(step_s):
+        keys = ("rollout_s", "rollout_tok_s", "update_s", "time_to_first_step_s", "peak_rss_gb")
+        return {"step_s": step_s, "reward_mean": 0.5, **dict.fromkeys(keys, 1.0)}
+
+    def ratios(systems):
+        (_, header, rows), *_ = tables({"steps": 4, "systems": systems})
+        assert header[-1] == "mlx-grpo / system"
+        return {row[0]: row[-1] for row in rows}
+
+    peer = {"summary": summary(8.0)}
+    assert ratios({"mlx-grpo": {"summary": summary(2.0)}, "trl": peer}) == {
+        "mlx-grpo": "1.00",
+        "trl": "0.25",
+    }
+    assert ratios({"mlx-grpo": {"error": "ran past 140 s"}, "trl": peer})["trl"] == "-"

@@ -248,7 +248,20 @@ def machine() -> str:
         mem = f", {pages / 2**30:.0f} GiB RAM"
     except (ValueError, OSError, AttributeError):
         pass
-    return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
+    where = f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
+    return where + _mlx_device()
+
+
+def _mlx_device() -> str:
+    """MLX's device when it is not the CPU: a GPU run's tables name the GPU."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return ""
+    info = mx.device_info()
+    return (
+        f"; MLX {mx.__version__} on {info.get('device_name') or info.get('architecture', 'a GPU')}"
+    )
 
 
 # ---- tables -----------------------------------------------------------------------
@@ -269,7 +282,14 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows.append([name, f"failed: {r['error']}"] + [""] * 8)
             continue
         s = r["summary"]
-        ratio = "1.00" if name == "mlx-grpo" or not ours else f"{ours['step_s'] / s['step_s']:.2f}"
+        # Against a failed mlx-grpo run there is no ratio
+        ratio = (
+            "1.00"
+            if name == "mlx-grpo"
+            else "-"
+            if not ours
+            else f"{ours['step_s'] / s['step_s']:.2f}"
+        )
         rows.append(
             [
                 name,
