@@ -282,14 +282,12 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows.append([name, f"failed: {r['error']}"] + [""] * 8)
             continue
         s = r["summary"]
-        # Against a failed mlx-grpo run there is no ratio
-        ratio = (
-            "1.00"
-            if name == "mlx-grpo"
-            else "-"
-            if not ours
-            else f"{ours['step_s'] / s['step_s']:.2f}"
-        )
+        if name == "mlx-grpo":
+            ratio = "1.00"
+        elif ours:
+            ratio = f"{ours['step_s'] / s['step_s']:.2f}"
+        else:  # no ratio against a failed mlx-grpo run
+            ratio = "-"
         rows.append(
             [
                 name,
