@@ -2,15 +2,21 @@
 (`mlx_grpo.grpo`) and the reference pass.
 
 `completion_logprobs` gives, for every completion token, log p(token | prompt, earlier
-tokens) and the entropy of that position's distribution, differentiably and in float32:
-- the G completions of a group share one prompt pass (a differentiable KV cache of the
-  prompt, `_PrefixCache`), instead of G full-sequence passes;
-- completions run in length buckets, each padded to its own longest row;
-- the vocabulary-wide output head runs in row chunks that are recomputed in the
-  backward pass (`mx.checkpoint`), so logits never exceed `chunk_floats` floats;
-- when few positions count (multi-turn episodes, whose observations are masked out),
-  the head runs only at those positions.
-Each path has a test against the plain full-sequence computation
+tokens) and the entropy of that position's distribution, differentiably and in float32.
+For models whose attention runs through `models.use_fast_attention` (llama, qwen2,
+qwen3), the whole micro-batch is one packed pass (`_Packed`):
+- every token that feeds a prediction sits once in one [N, 1] batch (each group's
+  prompt once, then each completion up to its length, no padding), so each linear
+  layer is one GEMM over N rows, where per-group, per-length passes made many small
+  ones whose cost is mostly fixed (packing the weights, dispatch);
+- only attention sees the structure: each prompt attends causally to itself, and each
+  completion to its prompt and its own earlier tokens, in length buckets;
+- the vocabulary-wide output head runs only at the positions that count (within
+  `lengths`, and on `mask` when given), in row chunks that are recomputed in the
+  backward pass (`mx.checkpoint`), so logits never exceed `chunk_floats` floats.
+Other models with plain KV caches run group by group: the prompt once, its keys and
+values shared by the group's completions (`_PrefixCache`), the completions in length
+buckets. Each path has a test against the plain full-sequence computation
 (`_full_sequence_logprobs`).
 """
 
@@ -229,6 +235,136 @@ def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, entropy_gr
     )
 
 
+class _Packed:
+    """The layout of one packed pass, and the cache its layers see.
+
+    Positions are ordered group by group: the prompt (P tokens, rotary positions
+    0..P-1), then each completion's inputs, the tokens that predict its later ones
+    (length - 1 of them, positions P..). The model runs on [N, 1] tokens, a batch of N
+    one-token rows, so that the rotary embedding takes each position's own offset and
+    every linear layer sees N rows. As every layer's cache, this object passes keys
+    and values through and answers the attention (`attend`, reached through
+    `models._fast_sdpa`)."""
+
+    def __init__(self, prompt_lens: list[int], g: int, lengths: list[int]):
+        positions, back = [], []
+        self.plan = []  # per group: (prompt start, prompt length, [bucket index arrays])
+        start = 0  # of the next position
+        out = 0  # of the next attention output, in the order `attend` produces them
+        self.prompt_end, self.row_start = [], []
+        for b, p in enumerate(prompt_lens):
+            rows = [max(lengths[b * g + j] - 1, 0) for j in range(g)]
+            pstart = start
+            positions.append(np.arange(p))
+            back.append(np.arange(out, out + p))
+            start, out = start + p, out + p
+            self.prompt_end.append(start)
+            starts = []
+            for m in rows:
+                starts.append(start)
+                positions.append(np.arange(p, p + m))
+                start += m
+            self.row_start += starts
+            row_back = [None] * g
+            buckets = []
+            for bucket in length_buckets(rows):
+                width = max(rows[j] for j in bucket)
+                # a shorter row repeats its last input: padding after what it could
+                # affect (the mask is causal), and its outputs are not read back
+                index = np.stack(
+                    [starts[j] + np.minimum(np.arange(width), rows[j] - 1) for j in bucket]
+                )
+                for i, j in enumerate(bucket):
+                    row_back[j] = out + i * width + np.arange(rows[j])
+                buckets.append(mx.array(index))
+                out += len(bucket) * width
+            back += [r for r in row_back if r is not None]
+            self.plan.append((pstart, p, buckets))
+        self.n = start
+        self.offset = mx.array(np.concatenate(positions).astype(np.int32))
+        back = np.concatenate(back)  # where each position's output sits in `attend`'s
+        self._back = None if np.array_equal(back, np.arange(out)) else mx.array(back)
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return None  # `attend` knows the structure
+
+    def attend(self, queries, keys, values, scale: float) -> mx.array:
+        """Attention of every position ([N, H, 1, D] queries, [N, Hkv, 1, D] keys and
+        values) to its own prompt and its own row's earlier positions."""
+        q, k, v = queries[:, :, 0], keys[:, :, 0], values[:, :, 0]
+        outs = []
+        for start, p, buckets in self.plan:
+            qp, kp, vp = (x[start : start + p].swapaxes(0, 1)[None] for x in (q, k, v))
+            outs.append(fastmath.attention(qp, kp, vp, scale, "causal")[0].swapaxes(0, 1))
+            for index in buckets:
+                n, width = index.shape
+                # [n, H, P + width, D]: the prompt's keys and values, then the row's own
+                qr = q[index].transpose(0, 2, 1, 3)
+                kr, vr = (
+                    mx.concatenate(
+                        [mx.broadcast_to(x, (n, *x.shape[1:])), y[index].transpose(0, 2, 1, 3)],
+                        axis=2,
+                    )
+                    for x, y in ((kp, k), (vp, v))
+                )
+                o = fastmath.attention(qr, kr, vr, scale, "causal")
+                outs.append(o.transpose(0, 2, 1, 3).reshape(n * width, *o.shape[1:2], o.shape[3]))
+        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        if self._back is not None:
+            out = out[self._back]
+        return out[:, :, None]
+
+
+def _packable(model: nn.Module) -> bool:
+    """Whether every layer's attention answers through `models._fast_sdpa` (which hands
+    a `_Packed` cache the attention)."""
+    from mlx_grpo.models import attends_through_cache
+
+    return all(attends_through_cache(layer.self_attn) for layer in model.layers)
+
+
+def _packed_logprobs(
+    model, head, prompts, completions, lengths, on, chunk_floats, vocab, entropy_grad
+):
+    """`completion_logprobs` in one packed pass (see `_Packed`)."""
+    n, c = completions.shape
+    g = n // len(prompts)
+    layout = _Packed([len(p) for p in prompts], g, lengths)
+    comp = np.array(completions)
+    tokens, source, flat = [], [], []
+    for b, prompt in enumerate(prompts):
+        tokens.append(np.array(prompt))
+        for r in range(b * g, (b + 1) * g):
+            tokens.append(comp[r, : max(lengths[r] - 1, 0)])
+            # position j of row r is predicted by the prompt's last (j = 0) or the row's
+            # input j - 1
+            j = np.arange(lengths[r])
+            if on is not None:
+                j = j[on[r, : lengths[r]]]
+            source.append(np.where(j == 0, layout.prompt_end[b] - 1, layout.row_start[r] + j - 1))
+            flat.append(r * c + j)
+    source, flat = np.concatenate(source), np.concatenate(flat)
+    m = len(flat)
+    if m == 0:
+        return mx.zeros((n, c)), mx.zeros((n, c))
+    x = mx.array(np.concatenate(tokens).astype(np.int32))[:, None]
+    hidden = model.model(x, cache=[layout] * len(model.layers))
+    h = hidden[mx.array(source)]  # [m, 1, d]
+    y = completions.reshape(-1)[mx.array(flat)][:, None]
+    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, entropy_grad)
+    back = np.full(n * c, m)  # positions not computed read the trailing 0
+    back[flat] = np.arange(m)
+    back = mx.array(back)
+    zero = mx.zeros((1,))
+    return (
+        mx.concatenate([lp[:, 0], zero])[back].reshape(n, c),
+        mx.concatenate([ent[:, 0], zero])[back].reshape(n, c),
+    )
+
+
 def effective_lengths(mask: mx.array) -> list[int]:
     """Per row, one past the last position whose mask is set (0 for an empty row):
     later positions cannot affect the loss (the attention is causal)."""
@@ -251,14 +387,15 @@ def completion_logprobs(
     `prompts` holds the B prompts (1-D token arrays); `completions` is [N, C] with
     N = B * G, group b in rows b*G..(b+1)*G-1, right-padded (padding sits after the
     tokens it could affect, so the causal mask keeps it out). `lengths` (default: C
-    for every row) says how many leading positions of each row are needed; the rest
-    are returned as 0 and cost nothing. Each prompt is run once for its whole group,
-    completions run in buckets of similar length, and logits are computed only at the
-    positions that predict completion tokens, in row chunks of at most `chunk_floats`
-    logits that are recomputed in the backward pass (mx.checkpoint). With `mask` ([N, C],
-    the loss mask), the lengths come from it and, where the mask is sparse (the
-    environment's tokens of a multi-turn episode), logits are computed only at its
-    positions; log-probs and entropies off the mask are then 0. The entropies carry a
+    for every row) says how many leading positions of each row are needed; the others
+    cost nothing and their values are not defined (0, or what their row's bucket
+    computed). Each prompt runs once for its whole group, and logits are computed only
+    at the positions that predict completion tokens, in row chunks of at most
+    `chunk_floats` logits that are recomputed in the backward pass (mx.checkpoint).
+    With `mask` ([N, C], the loss mask), the lengths come from it, and positions off it
+    are 0: the packed pass computes logits only on the mask, the per-group pass where
+    the mask is sparse (the environment's tokens of a multi-turn episode). The
+    entropies carry a gradient only with `entropy_grad`.
     gradient only with `entropy_grad`.
     """
     n, c = completions.shape
@@ -275,6 +412,10 @@ def completion_logprobs(
         lengths = [c] * n if mask is None else effective_lengths(mask)
     lengths = [min(int(x), c) for x in lengths]
     vocab = _vocab_size(model, head, completions)
+    if _packable(model):
+        return _packed_logprobs(
+            model, head, prompts, completions, lengths, on, chunk_floats, vocab, entropy_grad
+        )
     parts = [
         _group_logprobs(
             model,

@@ -134,7 +134,10 @@ def _swap_classes(model: nn.Module, attr: str, plain: tuple[type, ...], subclass
 
 def _fast_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx_lm's `scaled_dot_product_attention` with `fastmath.attention` for the plain
-    case; quantized caches and attention sinks keep mlx_lm's own."""
+    case; quantized caches and attention sinks keep mlx_lm's own, and a cache that
+    knows its own attention pattern (`logprobs._Packed`) answers it."""
+    if sinks is None and hasattr(cache, "attend"):
+        return cache.attend(queries, keys, values, scale)
     if sinks is not None or hasattr(cache, "bits"):
         return _mlx_lm_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     return fastmath.attention(queries, keys, values, scale, mask)
@@ -163,6 +166,11 @@ def _fast_attention_class(cls: type) -> type:
         fast.__kwdefaults__, fast.__qualname__ = call.__kwdefaults__, call.__qualname__
         _FAST_ATTENTIONS[cls] = type(cls.__name__, (cls,), {"__call__": fast})
     return _FAST_ATTENTIONS[cls]
+
+
+def attends_through_cache(attention: nn.Module) -> bool:
+    """Whether this attention layer's SDPA is `_fast_sdpa` (see `use_fast_attention`)."""
+    return type(attention) in _FAST_ATTENTIONS.values()
 
 
 def use_fast_attention(model: nn.Module) -> int:

@@ -27,6 +27,7 @@ from mlx_grpo.grpo import (
 from mlx_grpo.logprobs import (
     SPARSE_HEAD_SHARE,
     _full_sequence_logprobs,
+    _packable,
     _splittable,
     completion_logprobs,
 )
@@ -331,8 +332,19 @@ def _groups(seed=2, prompt_lens=(5, 9), g=3, max_c=6):
     return prompts, mx.array(comp), lens
 
 
-def test_completion_logprobs_match_full_logits(tiny):
-    model, _ = tiny
+@pytest.fixture(params=["packed", "per-group"])
+def tiny_lp(request, tiny):
+    """The tiny llama through each of `completion_logprobs`' passes: packed (its attention
+    is `fastmath.attention`, as `load_model` gives it) or group by group (mlx_lm's)."""
+    model, tokenizer = tiny
+    if request.param == "packed":
+        use_fast_attention(model)
+    assert _packable(model) == (request.param == "packed")
+    return model, tokenizer
+
+
+def test_completion_logprobs_match_full_logits(tiny_lp):
+    model, _ = tiny_lp
     prompts, comp, lens = _groups()
     lp, ent = completion_logprobs(model, prompts, comp)
     g = comp.shape[0] // len(prompts)
@@ -346,9 +358,9 @@ def test_completion_logprobs_match_full_logits(tiny):
             assert abs(ent[i, j].item() - h) < 1e-3
 
 
-def test_shared_prompt_gradients_equal_full_sequence_gradients(tiny):
+def test_shared_prompt_gradients_equal_full_sequence_gradients(tiny_lp):
     """One prompt pass shared by the group gives the gradients of G full passes."""
-    model, _ = tiny
+    model, _ = tiny_lp
     assert _splittable(model)  # the shared-prompt path is the one under test
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model)
@@ -372,8 +384,8 @@ def test_shared_prompt_gradients_equal_full_sequence_gradients(tiny):
     assert any(mx.abs(a).max().item() > 0 for _, a in tree_flatten(g1))
 
 
-def test_chunked_logprobs_and_gradients_equal_unchunked(tiny):
-    model, _ = tiny
+def test_chunked_logprobs_and_gradients_equal_unchunked(tiny_lp):
+    model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=3)
     _randomize_lora_b(model)
     prompts, comp, _ = _groups(seed=3)
@@ -391,10 +403,10 @@ def test_chunked_logprobs_and_gradients_equal_unchunked(tiny):
         assert_f32_close(a, b, n, k)
 
 
-def test_sparse_mask_head_matches_the_dense_head_values_and_gradients(tiny):
+def test_sparse_mask_head_matches_the_dense_head_values_and_gradients(tiny_lp):
     """Multi-turn masks (a few model tokens between long observations): the head runs
     only at the mask's positions and gives the dense path's values and gradients there."""
-    model, _ = tiny
+    model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=4)
     _randomize_lora_b(model)
     prompts, comp, lens = _groups(seed=4)
@@ -421,8 +433,8 @@ def test_sparse_mask_head_matches_the_dense_head_values_and_gradients(tiny):
     assert (np.array(lp_sparse)[~turns] == 0).all()  # off the mask: not computed
 
 
-def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny):
-    model, _ = tiny
+def test_prompt_and_padding_tokens_do_not_enter_the_loss(tiny_lp):
+    model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=4)
     _randomize_lora_b(model)
     prompts = [mx.array([5, 6, 7]), mx.array([11, 12])]
@@ -493,13 +505,13 @@ def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type, 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn", "episode"])
-def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny, loss_type, level):
+def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny_lp, loss_type, level):
     """The update split into micro-batches (whole groups together, a long group cut
     into runs of rows) sums to the one-piece update: loss, metrics and gradient."""
     from mlx_grpo.dist import Dist
     from mlx_grpo.trainer import policy_gradient
 
-    model, _ = tiny
+    model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model, seed=1)
     rng = np.random.default_rng(3)
@@ -759,12 +771,12 @@ def test_fast_attention_gives_each_model_familys_logits_with_a_cache(family):
         assert_f32_close(got, want, n, f"{family} chunk {i}")
 
 
-def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch):
+def test_length_buckets_match_unbucketed_values_and_gradients(tiny_lp, monkeypatch):
     """Completions run in length buckets (each padded to its own longest row) give the
     log-probs and gradients of one padded batch at every position that counts."""
     import mlx_grpo.logprobs as logprobs
 
-    model, _ = tiny
+    model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=6)
     _randomize_lora_b(model)
     prompts, comp, lens = _groups(seed=6, g=4, max_c=7)
@@ -796,11 +808,11 @@ def test_length_buckets_match_unbucketed_values_and_gradients(tiny, monkeypatch)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-def test_entropy_bonus_adds_the_gradient_of_the_mean_token_entropy(tiny, sparse):
+def test_entropy_bonus_adds_the_gradient_of_the_mean_token_entropy(tiny_lp, sparse):
     """loss(coef) = loss(0) - coef * H, H the masked mean token entropy computed from
     the model's full logits with MLX's own softmax: values and gradients. `sparse`
     masks most positions, so the head runs only at the masked ones."""
-    model, _ = tiny
+    model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=8)
     _randomize_lora_b(model)
     prompts, comp, lens = _groups(seed=8)
