@@ -247,17 +247,17 @@ class _Packed:
     `models._fast_sdpa`)."""
 
     def __init__(self, prompt_lens: list[int], g: int, lengths: list[int]):
-        positions, back = [], []
-        self.plan = []  # per group: (prompt start, prompt length, [bucket index arrays])
+        positions = []
+        # per group: the prompt's (start, length), its completions' buckets (each a
+        # list of (start, inputs) and its width), and per row its (bucket, place) or None
+        self.plan = []
         start = 0  # of the next position
-        out = 0  # of the next attention output, in the order `attend` produces them
         self.prompt_end, self.row_start = [], []
         for b, p in enumerate(prompt_lens):
             rows = [max(lengths[b * g + j] - 1, 0) for j in range(g)]
-            pstart = start
+            prompt = (start, p)
             positions.append(np.arange(p))
-            back.append(np.arange(out, out + p))
-            start, out = start + p, out + p
+            start += p
             self.prompt_end.append(start)
             starts = []
             for m in rows:
@@ -265,25 +265,15 @@ class _Packed:
                 positions.append(np.arange(p, p + m))
                 start += m
             self.row_start += starts
-            row_back = [None] * g
-            buckets = []
+            buckets, where = [], [None] * g
             for bucket in length_buckets(rows):
-                width = max(rows[j] for j in bucket)
-                # a shorter row repeats its last input: padding after what it could
-                # affect (the mask is causal), and its outputs are not read back
-                index = np.stack(
-                    [starts[j] + np.minimum(np.arange(width), rows[j] - 1) for j in bucket]
-                )
                 for i, j in enumerate(bucket):
-                    row_back[j] = out + i * width + np.arange(rows[j])
-                buckets.append(mx.array(index))
-                out += len(bucket) * width
-            back += [r for r in row_back if r is not None]
-            self.plan.append((pstart, p, buckets))
+                    where[j] = (len(buckets), i)
+                width = max(rows[j] for j in bucket)
+                buckets.append(([(starts[j], rows[j]) for j in bucket], width))
+            self.plan.append((prompt, buckets, [(w, rows[j]) for j, w in enumerate(where) if w]))
         self.n = start
         self.offset = mx.array(np.concatenate(positions).astype(np.int32))
-        back = np.concatenate(back)  # where each position's output sits in `attend`'s
-        self._back = None if np.array_equal(back, np.arange(out)) else mx.array(back)
 
     def update_and_fetch(self, keys, values):
         return keys, values
@@ -293,29 +283,34 @@ class _Packed:
 
     def attend(self, queries, keys, values, scale: float) -> mx.array:
         """Attention of every position ([N, H, 1, D] queries, [N, Hkv, 1, D] keys and
-        values) to its own prompt and its own row's earlier positions."""
+        values) to its own prompt and its own row's earlier positions. Rows are cut
+        out as slices and padded at their end (after what the padding could affect, the
+        mask being causal), not gathered: a gather's backward is a scatter, which costs
+        a CPU twice as much."""
         q, k, v = queries[:, :, 0], keys[:, :, 0], values[:, :, 0]
+
+        def block(x, rows, width):  # [n, H, width, D]
+            parts = [mx.pad(x[s : s + m], [(0, width - m), (0, 0), (0, 0)]) for s, m in rows]
+            return mx.stack(parts).transpose(0, 2, 1, 3)
+
         outs = []
-        for start, p, buckets in self.plan:
+        for (start, p), buckets, order in self.plan:
             qp, kp, vp = (x[start : start + p].swapaxes(0, 1)[None] for x in (q, k, v))
             outs.append(fastmath.attention(qp, kp, vp, scale, "causal")[0].swapaxes(0, 1))
-            for index in buckets:
-                n, width = index.shape
+            done = []
+            for rows, width in buckets:
+                n = len(rows)
                 # [n, H, P + width, D]: the prompt's keys and values, then the row's own
-                qr = q[index].transpose(0, 2, 1, 3)
                 kr, vr = (
                     mx.concatenate(
-                        [mx.broadcast_to(x, (n, *x.shape[1:])), y[index].transpose(0, 2, 1, 3)],
-                        axis=2,
+                        [mx.broadcast_to(x, (n, *x.shape[1:])), block(y, rows, width)], axis=2
                     )
                     for x, y in ((kp, k), (vp, v))
                 )
-                o = fastmath.attention(qr, kr, vr, scale, "causal")
-                outs.append(o.transpose(0, 2, 1, 3).reshape(n * width, *o.shape[1:2], o.shape[3]))
-        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
-        if self._back is not None:
-            out = out[self._back]
-        return out[:, :, None]
+                o = fastmath.attention(block(q, rows, width), kr, vr, scale, "causal")
+                done.append(o.transpose(0, 2, 1, 3))  # [n, width, H, D]
+            outs += [done[bucket][i, :m] for (bucket, i), m in order]
+        return mx.concatenate(outs)[:, :, None]
 
 
 def _packable(model: nn.Module) -> bool:
