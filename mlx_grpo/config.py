@@ -312,10 +312,11 @@ class GRPOConfig(_Section):
         "always starts at the start.",
     )
     logits_chunk: int = Field(
-        1 << 24,
+        1 << 25,
         ge=1 << 16,
         description="Compute log-probs in row chunks so no logits tensor exceeds this "
-        "many floats; chunks are recomputed in the backward pass.",
+        "many floats (2^25: 128 MB in float32); when there is more than one chunk, "
+        "each is recomputed in the backward pass.",
     )
     micro_batch_tokens: int | None = Field(
         4096,

@@ -372,7 +372,7 @@ def completion_logprobs(
     model: nn.Module,
     prompts: list[mx.array],
     completions: mx.array,
-    chunk_floats: int = 1 << 24,
+    chunk_floats: int = 1 << 25,
     lengths: list[int] | None = None,
     mask: mx.array | None = None,
     entropy_grad: bool = False,

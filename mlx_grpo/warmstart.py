@@ -88,7 +88,7 @@ def by_level(tasks: list[Task], n: int, rng: np.random.Generator) -> list[Task]:
 
 
 def sft_loss(
-    model: nn.Module, batch: LossInputs, logits_chunk: int = 1 << 24
+    model: nn.Module, batch: LossInputs, logits_chunk: int = 1 << 25
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """The batch's summed negative log-likelihood of its masked tokens over
     `batch.total_tokens` (the whole batch's count, so that micro-batches add up)."""
