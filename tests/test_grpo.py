@@ -358,8 +358,10 @@ def test_completion_logprobs_match_full_logits(tiny_lp):
             assert abs(ent[i, j].item() - h) < 1e-3
 
 
-def test_shared_prompt_gradients_equal_full_sequence_gradients(tiny_lp):
-    """One prompt pass shared by the group gives the gradients of G full passes."""
+def test_logprob_gradients_equal_full_passes_through_mlx_log_softmax(tiny_lp):
+    """One prompt pass shared by the group (and the written-out gradient of the
+    log-softmax) gives the values and gradients of G full passes of the model through
+    MLX's own logsumexp and its chain rule."""
     model, _ = tiny_lp
     assert _splittable(model)  # the shared-prompt path is the one under test
     apply_lora(model, LoRAConfig(rank=4), seed=5)
@@ -373,7 +375,14 @@ def test_shared_prompt_gradients_equal_full_sequence_gradients(tiny_lp):
 
     def full(m):
         g = comp.shape[0] // len(prompts)
-        return (_full_sequence_logprobs(m, prompts, comp, g)[0] * weights * mask).sum()
+        total = mx.array(0.0)
+        for i in range(comp.shape[0]):
+            p = prompts[i // g]
+            logits = m(mx.concatenate([p, comp[i]])[None])[0, p.shape[0] - 1 : -1]
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            picked = mx.take_along_axis(lp, comp[i][:, None], axis=-1)[:, 0]
+            total = total + (picked * weights[i] * mask[i]).sum()
+        return total
 
     v1, g1 = nn.value_and_grad(model, shared)(model)
     v2, g2 = nn.value_and_grad(model, full)(model)
