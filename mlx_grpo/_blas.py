@@ -723,8 +723,18 @@ def _load(path: str, threads: int, coretype: str | None = None) -> ctypes.CDLL:
 def use_fast_blas() -> Blas | None:
     """On Linux, before the first `import mlx`: choose a BLAS (module doc) and load it
     globally. Returns the choice, or None where there is nothing to choose (another
-    OS, mlx already imported, or not installed)."""
-    if _state["blas"] is not None or sys.platform != "linux" or "mlx.core" in sys.modules:
+    OS, or mlx not installed). Where mlx was imported first, it is too late: MLX keeps
+    its own BLAS, and on a CPU one warning line says so."""
+    if _state["blas"] is not None or sys.platform != "linux":
+        return _state["blas"]
+    if "mlx.core" in sys.modules:
+        _state["blas"] = Blas("builtin", None)
+        if sys.modules["mlx.core"].default_device() == sys.modules["mlx.core"].cpu:
+            print(
+                "mlx-grpo: warning: mlx was imported before mlx_grpo, so MLX keeps its own "
+                "reference BLAS (matmuls tens of times slower on a CPU); import mlx_grpo first",
+                file=sys.stderr,
+            )
         return _state["blas"]
     if importlib.util.find_spec("mlx") is None:  # e.g. the bench's PyTorch peer
         return None
