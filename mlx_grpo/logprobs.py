@@ -16,8 +16,8 @@ qwen3), the whole micro-batch is one packed pass (`_Packed`):
   backward pass (`mx.checkpoint`), so logits never exceed `chunk_floats` floats.
 Other models with plain KV caches run group by group: the prompt once, its keys and
 values shared by the group's completions (`_PrefixCache`), the completions in length
-buckets. Each path has a test against the plain full-sequence computation
-(`_full_sequence_logprobs`).
+buckets. Each path has a test against full passes of the model through MLX's own
+log-softmax; any other model runs such full passes (`_full_sequence_logprobs`).
 """
 
 from __future__ import annotations
@@ -218,21 +218,21 @@ def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, entropy_gr
     gathered back (the backward pass scatters their gradients to the same positions)."""
     n, c = targets.shape
     flat = np.flatnonzero(on.reshape(-1))
-    m = len(flat)
-    if m == 0:
+    if len(flat) == 0:
         return mx.zeros((n, c)), mx.zeros((n, c))
     pick = mx.array(flat)
     h = hidden.reshape(n * c, -1)[pick][:, None]
     y = targets.reshape(-1)[pick][:, None]
     lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, entropy_grad)
-    back = np.full(n * c, m)  # off-mask positions read the trailing 0
-    back[flat] = np.arange(m)
-    back = mx.array(back)
-    zero = mx.zeros((1,))
-    return (
-        mx.concatenate([lp[:, 0], zero])[back].reshape(n, c),
-        mx.concatenate([ent[:, 0], zero])[back].reshape(n, c),
-    )
+    return _placed(lp[:, 0], flat, (n, c)), _placed(ent[:, 0], flat, (n, c))
+
+
+def _placed(values: mx.array, flat: np.ndarray, shape: tuple[int, int]) -> mx.array:
+    """An array of `shape` holding values[i] at flat position flat[i] and 0 elsewhere,
+    as a gather (whose backward sends each position's gradient to its value)."""
+    back = np.full(shape[0] * shape[1], len(flat))  # the others read the trailing 0
+    back[flat] = np.arange(len(flat))
+    return mx.concatenate([values, mx.zeros((1,))])[mx.array(back)].reshape(shape)
 
 
 class _Packed:
@@ -342,22 +342,14 @@ def _packed_logprobs(
             source.append(np.where(j == 0, layout.prompt_end[b] - 1, layout.row_start[r] + j - 1))
             flat.append(r * c + j)
     source, flat = np.concatenate(source), np.concatenate(flat)
-    m = len(flat)
-    if m == 0:
+    if len(flat) == 0:
         return mx.zeros((n, c)), mx.zeros((n, c))
     x = mx.array(np.concatenate(tokens).astype(np.int32))[:, None]
     hidden = model.model(x, cache=[layout] * len(model.layers))
     h = hidden[mx.array(source)]  # [m, 1, d]
     y = completions.reshape(-1)[mx.array(flat)][:, None]
     lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, entropy_grad)
-    back = np.full(n * c, m)  # positions not computed read the trailing 0
-    back[flat] = np.arange(m)
-    back = mx.array(back)
-    zero = mx.zeros((1,))
-    return (
-        mx.concatenate([lp[:, 0], zero])[back].reshape(n, c),
-        mx.concatenate([ent[:, 0], zero])[back].reshape(n, c),
-    )
+    return _placed(lp[:, 0], flat, (n, c)), _placed(ent[:, 0], flat, (n, c))
 
 
 def effective_lengths(mask: mx.array) -> list[int]:
@@ -387,11 +379,11 @@ def completion_logprobs(
     computed). Each prompt runs once for its whole group, and logits are computed only
     at the positions that predict completion tokens, in row chunks of at most
     `chunk_floats` logits that are recomputed in the backward pass (mx.checkpoint).
-    With `mask` ([N, C], the loss mask), the lengths come from it, and positions off it
-    are 0: the packed pass computes logits only on the mask, the per-group pass where
-    the mask is sparse (the environment's tokens of a multi-turn episode). The
-    entropies carry a gradient only with `entropy_grad`.
-    gradient only with `entropy_grad`.
+    With `mask` ([N, C], the loss mask), the lengths come from it, and logits are
+    computed only on the mask (log-probs and entropies off it are 0): always in the
+    packed pass, and in the per-group pass where the mask is sparse (the environment's
+    tokens of a multi-turn episode). The entropies carry a gradient only with
+    `entropy_grad`.
     """
     n, c = completions.shape
     g = n // len(prompts)

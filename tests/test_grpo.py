@@ -26,7 +26,6 @@ from mlx_grpo.grpo import (
 )
 from mlx_grpo.logprobs import (
     SPARSE_HEAD_SHARE,
-    _full_sequence_logprobs,
     _packable,
     _splittable,
     completion_logprobs,
