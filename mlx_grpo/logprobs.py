@@ -249,7 +249,8 @@ class _Packed:
     def __init__(self, prompt_lens: list[int], g: int, lengths: list[int]):
         positions = []
         # per group: the prompt's (start, length), its completions' buckets (each a
-        # list of (start, inputs) and its width), and per row its (bucket, place) or None
+        # list of (start, inputs) and its width), and, in row order, each row with
+        # inputs as ((bucket, place in it), inputs)
         self.plan = []
         start = 0  # of the next position
         self.prompt_end, self.row_start = [], []
@@ -272,7 +273,6 @@ class _Packed:
                 width = max(rows[j] for j in bucket)
                 buckets.append(([(starts[j], rows[j]) for j in bucket], width))
             self.plan.append((prompt, buckets, [(w, rows[j]) for j, w in enumerate(where) if w]))
-        self.n = start
         self.offset = mx.array(np.concatenate(positions).astype(np.int32))
 
     def update_and_fetch(self, keys, values):
