@@ -57,6 +57,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,7 +198,7 @@ class Blas:
         return f"{config or 'BLAS'} ({self.name}, {self.threads} threads{forced})"
 
 
-_state: dict[str, Blas | None] = {"blas": None}
+_state: dict = {"blas": None, "lib": None}  # the choice, and the library loaded for it
 
 
 # ---------------------------------------------------------------------------- threads
@@ -746,7 +747,7 @@ def use_fast_blas() -> Blas | None:
         try:
             # Set through the library, not the environment: processes this one starts
             # (an `mlx.launch` job, say) choose their own share.
-            _load(blas.path, blas.threads or 1, blas.coretype)
+            _state["lib"] = _load(blas.path, blas.threads or 1, blas.coretype)
         except OSError as e:  # removed between the probe and now
             warning, blas = (
                 f"{blas.path} could not be loaded ({e}); using MLX's built-in BLAS",
@@ -756,6 +757,22 @@ def use_fast_blas() -> Blas | None:
         print(f"mlx-grpo: warning: {line}", file=sys.stderr)
     _state["blas"] = blas
     return blas
+
+
+@contextmanager
+def threads_shared(ways: int):
+    """Inside this block, each BLAS call runs on 1/`ways` of the threads (at least one),
+    so that `ways` calls made at once, from MLX streams side by side, share the cores
+    (`mlx_grpo.lanes`). Nothing changes where MLX keeps its own BLAS."""
+    lib, blas = _state["lib"], _state["blas"]
+    if lib is None or ways < 2 or not blas.threads:
+        yield
+        return
+    _set_threads(lib, max(1, blas.threads // ways))
+    try:
+        yield
+    finally:
+        _set_threads(lib, blas.threads)
 
 
 def blas_in_use() -> str:

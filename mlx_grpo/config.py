@@ -327,6 +327,16 @@ class GRPOConfig(_Section):
         "(about 2.5 MB a position for the 135M default model on 1300-token episodes). "
         "None: the whole batch at once.",
     )
+    update_lanes: int | None = Field(
+        None,
+        ge=1,
+        description="Run this many pieces of each micro-batch (its groups, or runs of a "
+        "group's rows) side by side on CPU streams of their own, each BLAS call on its "
+        "share of the threads (mlx_grpo/lanes.py): the same loss and gradient, with "
+        "the elementwise work of one lane running while another's matmuls do. None: 2 "
+        "where MLX computes on the CPU with 2 or more BLAS threads, 1 elsewhere; 1 "
+        "under grpo.compile.",
+    )
 
     compile: bool = Field(
         False,

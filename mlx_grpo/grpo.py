@@ -177,6 +177,52 @@ def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInpu
     if run:
         spans.append((run, run[0] * g, (run[-1] + 1) * g))
 
+    return _pieces(batch, spans)
+
+
+def lane_pieces(batch: LossInputs, lanes: int) -> list[LossInputs]:
+    """`batch` in at most `lanes` pieces of about equal sequence positions, to run side
+    by side (`mlx_grpo.lanes`): runs of whole groups where there are at least `lanes`
+    groups, else each group's rows in runs (each run with its group's prompt). Every
+    piece carries the whole batch's counts, as `micro_batches`'s do."""
+    n, b = batch.completions.shape[0], len(batch.prompts)
+    if lanes < 2 or n < 2:
+        return [batch]
+    g = n // b
+    lengths = effective_lengths(batch.mask)
+    plens = [int(p.shape[0]) for p in batch.prompts]
+    if b >= lanes:
+        cost = [plens[i] + sum(lengths[i * g : (i + 1) * g]) for i in range(b)]
+        cuts = _balanced_cuts(cost, lanes)
+        spans = [(list(range(lo, hi)), lo * g, hi * g) for lo, hi in zip(cuts, cuts[1:])]
+    else:
+        spans = []
+        for i in range(b):
+            cuts = _balanced_cuts(lengths[i * g : (i + 1) * g], lanes // b)
+            spans += [([i], i * g + lo, i * g + hi) for lo, hi in zip(cuts, cuts[1:])]
+    return _pieces(batch, spans)
+
+
+def _balanced_cuts(costs: list[int], k: int) -> list[int]:
+    """Boundaries [0, ..., len(costs)] of at most k non-empty runs of `costs`, each cut
+    at the boundary nearest its share of the total.
+
+    >>> _balanced_cuts([46 + 300, 46 + 250], 2), _balanced_cuts([5, 1, 1, 1, 1, 1], 2)
+    ([0, 1, 2], [0, 1, 6])
+    """
+    k = max(1, min(k, len(costs)))
+    cum = np.cumsum([0, *costs])
+    cuts = [0]
+    for j in range(1, k):
+        nearest = int(np.argmin(np.abs(cum - cum[-1] * j / k)))
+        cuts.append(min(max(nearest, cuts[-1] + 1), len(costs) - (k - j)))
+    return [*cuts, len(costs)]
+
+
+def _pieces(batch: LossInputs, spans: list[tuple[list[int], int, int]]) -> list[LossInputs]:
+    """The pieces of `batch` that `spans` name: (groups, first row, end row) each, every
+    one with the whole batch's counts."""
+    n = batch.completions.shape[0]
     total_rows = n if batch.total_rows is None else batch.total_rows
     total_tokens = batch.total_tokens
     if total_tokens is None:

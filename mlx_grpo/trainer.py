@@ -42,6 +42,7 @@ from mlx_grpo.grpo import (
     entropy_bonus_on,
     group_advantages,
     grpo_loss,
+    lane_pieces,
     micro_batches,
     next_beta,
     next_entropy_coef,
@@ -50,6 +51,7 @@ from mlx_grpo.grpo import (
     zero_variance_groups,
 )
 from mlx_grpo.guidance import demonstration_advantages, demonstration_starts, guide_groups
+from mlx_grpo.lanes import Lanes, update_lanes
 from mlx_grpo.log import JsonlWriter
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.models import adapters_disabled, adapters_set
@@ -890,21 +892,27 @@ def _share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> di
 
 
 def reference_pass(
-    model, batch: LossInputs, grpo: GRPOConfig, reference: dict[str, mx.array] | None = None
+    model,
+    batch: LossInputs,
+    grpo: GRPOConfig,
+    reference: dict[str, mx.array] | None = None,
+    lanes: Lanes | None = None,
 ) -> None:
     """Fill in the log-probs the loss compares against: the reference policy's (the
     adapters switched off, or set to `reference`) when the KL term is on, and the
     sampling policy's when several updates reuse one rollout. Both are constants of the
-    update; they are computed micro-batch by micro-batch (`grpo.micro_batch_tokens`)."""
+    update; they are computed micro-batch by micro-batch (`grpo.micro_batch_tokens`),
+    each micro-batch's pieces side by side in `lanes`."""
+    lanes = lanes or Lanes(1)
+
+    def piece_logprobs(p: LossInputs) -> mx.array:
+        lp, _ = completion_logprobs(model, p.prompts, p.completions, grpo.logits_chunk, mask=p.mask)
+        return lp
 
     def logprobs() -> mx.array:
         parts = []
         for piece in micro_batches(batch, grpo.micro_batch_tokens):
-            lp = completion_logprobs(
-                model, piece.prompts, piece.completions, grpo.logits_chunk, mask=piece.mask
-            )[0]
-            mx.eval(lp)
-            parts.append(lp)
+            parts += lanes.map(piece_logprobs, lane_pieces(piece, lanes.n))
         return mx.stop_gradient(parts[0] if len(parts) == 1 else mx.concatenate(parts))
 
     if grpo.beta > 0:
@@ -923,21 +931,25 @@ def policy_gradient(
     dist: Dist,
     max_norm: float,
     micro_batch_tokens: int | None = None,
+    lanes: Lanes | None = None,
 ):
     """(loss, metrics, clipped gradients, their norm before clipping, seconds spent
     exchanging) of one update: the value and gradient of the loss on this rank's share,
-    summed over its micro-batches and over ranks, clipped to `max_norm` in global norm.
-    A rank with no share (`batch` None) joins with zeros."""
+    summed over its micro-batches (each one's pieces side by side in `lanes`) and over
+    ranks, clipped to `max_norm` in global norm. A rank with no share (`batch` None)
+    joins with zeros."""
     if batch is not None:
+        lanes = lanes or Lanes(1)
         loss, m, grads = None, None, None
         for piece in micro_batches(batch, micro_batch_tokens):
-            (p_loss, p_m), p_grads = loss_and_grad(model, piece)
-            if loss is None:
-                loss, m, grads = p_loss, p_m, p_grads
-            else:
-                loss = loss + p_loss
-                m = {k: m[k] + p_m[k] for k in m}
-                grads = tree_map(mx.add, grads, p_grads)
+            parts = lanes.map(lambda p: loss_and_grad(model, p), lane_pieces(piece, lanes.n))
+            for (p_loss, p_m), p_grads in parts:
+                if loss is None:
+                    loss, m, grads = p_loss, p_m, p_grads
+                else:
+                    loss = loss + p_loss
+                    m = {k: m[k] + p_m[k] for k in m}
+                    grads = tree_map(mx.add, grads, p_grads)
             mx.eval(loss, m, grads)  # frees this piece's activations before the next
     else:
         loss = mx.array(0.0)
@@ -983,8 +995,9 @@ def update_step(
 
     `batch` is this rank's share (None when all its groups were left out: it still
     joins every exchange, with zero gradients)."""
+    lanes = update_lanes(cfg.grpo.update_lanes, cfg.grpo.compile)
     if batch is not None:
-        reference_pass(model, batch, cfg.grpo, reference)
+        reference_pass(model, batch, cfg.grpo, reference, lanes)
     if dist.size > 1:
         # Every rank divides by the whole batch's counts (see grpo.aggregate).
         tokens = dist.all_sum(batch.mask.sum() if batch is not None else mx.array(0.0)).item()
@@ -1003,6 +1016,7 @@ def update_step(
             dist,
             cfg.optimizer.max_grad_norm,
             cfg.grpo.micro_batch_tokens,
+            lanes,
         )
         sync_s += exchange_s
         finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())

@@ -571,3 +571,59 @@ def test_the_probe_runs_the_kernel_family_it_is_given(tmp_path, monkeypatch):
         pytest.skip("the system OpenBLAS is built for one target")
     assert verdict["ok"], verdict["reason"]
     assert want.lower() in verdict["config"].lower().split()
+
+
+@linux_only
+def test_blas_threads_are_shared_out_inside_the_block_and_restored_after(tmp_path):
+    """`threads_shared(k)`: each BLAS call on 1/k of the threads inside the block (the
+    update's lanes, `mlx_grpo.lanes`), and all of them again after it, also when the
+    block raises; read back through OpenBLAS's own getter in a fresh interpreter."""
+    snippet = """
+import ctypes, json, mlx_grpo
+from mlx_grpo import _blas
+lib, blas = _blas._state["lib"], _blas._state["blas"]
+get = getattr(lib, "openblas_get_num_threads", None) or lib.scipy_openblas_get_num_threads
+seen = [get()]
+with _blas.threads_shared(2):
+    seen.append(get())
+try:
+    with _blas.threads_shared(4):
+        seen.append(get())
+        raise KeyError
+except KeyError:
+    pass
+seen.append(get())
+print(json.dumps({"threads": blas.threads, "seen": seen}))
+"""
+    env = {**os.environ, "MLX_GRPO_CACHE": str(tmp_path / "cache"), "OPENBLAS_NUM_THREADS": "4"}
+    env.pop("MLX_GRPO_OPENBLAS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, env=env, timeout=600
+    )
+    if "NoneType" in done.stderr:
+        pytest.skip("MLX keeps its own BLAS here: no OpenBLAS to share out")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["threads"] == 4
+    assert result["seen"] == [4, 2, 1, 4]
+
+
+@linux_only
+def test_a_cpu_build_widens_mlx_evaluation_order_before_mlx_runs_and_keeps_a_set_value():
+    """`import mlx_grpo` sets MLX_BFS_MAX_WIDTH (read once by MLX) on a CPU build, so that
+    the update's lanes interleave; a value the user set stays."""
+    from mlx_grpo import EVAL_WIDTH
+    from mlx_grpo._backend import installed_builds
+
+    snippet = "import os, mlx_grpo; print(os.environ.get('MLX_BFS_MAX_WIDTH'))"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_BFS_MAX_WIDTH"}
+    fresh = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env)
+    kept = subprocess.run(
+        [sys.executable, "-c", snippet],
+        capture_output=True,
+        text=True,
+        env={**env, "MLX_BFS_MAX_WIDTH": "64"},
+    )
+    cpu_build = installed_builds() == {"cpu"}
+    assert fresh.stdout.strip() == (str(EVAL_WIDTH) if cpu_build else "None")
+    assert kept.stdout.strip() == "64"

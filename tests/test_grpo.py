@@ -17,6 +17,7 @@ from mlx_grpo.grpo import (
     aggregate,
     group_advantages,
     grpo_loss,
+    lane_pieces,
     micro_batches,
     next_beta,
     next_entropy_coef,
@@ -561,6 +562,74 @@ def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny_lp, l
             assert_f32_close(split[k], whole[k], n, k)
         for k in g_whole:
             assert_f32_close(g_split[k], g_whole[k], n, k)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "turn"])
+def test_lanes_give_the_whole_batch_reference_loss_metrics_and_gradient(tiny_lp, loss_type):
+    """The update with a micro-batch's pieces side by side on streams of their own
+    (`mlx_grpo.lanes`: runs of whole groups, or runs of a group's rows) gives the
+    one-lane update's reference log-probs, loss, metrics and gradient; each piece's graph
+    is built on its own stream."""
+    from mlx_grpo.dist import Dist
+    from mlx_grpo.lanes import Lanes
+    from mlx_grpo.trainer import policy_gradient, reference_pass
+
+    model, _ = tiny_lp
+    apply_lora(model, LoRAConfig(rank=4), seed=5)
+    _randomize_lora_b(model, seed=1)
+    rng = np.random.default_rng(3)
+    prompts = [mx.array(rng.integers(3, 200, p).tolist()) for p in (4, 7, 3)]
+    g, c = 4, 9
+    comp = mx.array(rng.integers(3, 200, (3 * g, c)), dtype=mx.int32)
+    lens = [9, 2, 5, 1, 3, 3, 8, 6, 9, 9, 9, 9]
+    mask = np.zeros((3 * g, c), np.float32)
+    for i, n in enumerate(lens):
+        mask[i, :n] = rng.random(n) < 0.7
+        mask[i, n - 1] = 1.0
+    adv = mx.array(rng.normal(size=3 * g).astype(np.float32))
+    cfg = GRPOConfig(beta=0.04, loss_type=loss_type)
+    grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
+
+    def batch(groups):
+        rows = [gi * g + j for gi in groups for j in range(g)]
+        take = mx.array(rows)
+        return LossInputs(
+            [prompts[i] for i in groups], comp[take], mx.array(mask[rows]), adv[take], None, None, c
+        )
+
+    # Group costs (prompt + row lengths) 21, 27, 39: two lanes take groups 0 and 1, then
+    # group 2; a lone group goes in runs of its rows (row lengths 9, 9, 9, 9: 2 and 2).
+    assert [p.completions.shape[0] for p in lane_pieces(batch([0, 1, 2]), 2)] == [8, 4]
+    assert [p.completions.shape[0] for p in lane_pieces(batch([2]), 2)] == [2, 2]
+    assert [len(p.prompts) for p in lane_pieces(batch([0, 1, 2]), 3)] == [1, 1, 1]
+    assert lane_pieces(batch([0, 1, 2]), 1)[0].completions.shape[0] == 12
+
+    seen = []
+
+    def on_stream(piece):
+        seen.append(mx.default_stream(mx.default_device()))
+        return piece.completions.sum()
+
+    Lanes(2).map(on_stream, lane_pieces(batch([0, 1, 2]), 2))
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert mx.default_stream(mx.default_device()) not in seen
+
+    n = tiny_additions(vars(model.args))
+    for groups in ([0, 1, 2], [2]):
+        out = {}
+        for lanes in (1, 2, 3):
+            b = batch(groups)
+            reference_pass(model, b, cfg, None, Lanes(lanes))
+            loss, m, grads, _, _ = policy_gradient(model, grad_fn, b, Dist(), 1e9, 30, Lanes(lanes))
+            out[lanes] = b.ref_logprobs, {"loss": loss, **m}, dict(tree_flatten(grads))
+        ref_one, one, g_one = out[1]
+        for lanes in (2, 3):
+            ref, split, g_split = out[lanes]
+            assert_f32_close(ref, ref_one, n, "ref_logprobs")
+            for k in one:
+                assert_f32_close(split[k], one[k], n, k)
+            for k in g_one:
+                assert_f32_close(g_split[k], g_one[k], n, k)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -1,0 +1,75 @@
+"""The update's independent pieces side by side on a CPU (`grpo.update_lanes`).
+
+MLX's CPU backend runs a stream's ops on one thread, and only the BLAS calls use more
+than one core: while that thread does the elementwise work of a pass (norms, rotary
+embeddings, attention's softmax, the log-softmax over the vocabulary, their gradients),
+OpenBLAS's other threads wait. On the work unit's policy pass that is about half of
+the time. The groups of a micro-batch do not depend on each other, so `Lanes` runs them
+(or runs of a group's rows) as separate graphs on streams of their own, each BLAS call
+with its share of the threads (`_blas.threads_shared`), and evaluates them together:
+one lane's elementwise work runs while another's GEMMs run. The pieces' losses,
+metrics and gradients sum to the batch's, as micro-batches' do (`grpo.lane_pieces`).
+
+MLX evaluates a graph in breadth-first order only up to a width (`MLX_BFS_MAX_WIDTH`,
+20 by default), deeper than that depth-first: two lanes' graphs would then be queued
+one after the other. `mlx_grpo` widens it on CPU builds before MLX runs
+(`mlx_grpo.EVAL_WIDTH`); where MLX ran first, the lanes are still correct, just not
+side by side.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from mlx_grpo import _blas
+
+
+def auto_lanes() -> int:
+    """2 where MLX computes on the CPU with a BLAS of two threads or more, else 1 (a GPU
+    runs a stream's kernels on all its cores already)."""
+    blas = _blas._state["blas"]
+    on_cpu = mx.default_device() == mx.cpu
+    return 2 if on_cpu and blas is not None and (blas.threads or 0) >= 2 else 1
+
+
+class Lanes:
+    """`n` streams on the default device."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.streams = [mx.new_stream(mx.default_device()) for _ in range(n)] if n > 1 else []
+
+    def map(self, fn: Callable, pieces: Sequence) -> list:
+        """[fn(piece) for piece in pieces], evaluated: piece i's graph is built on
+        stream i, and all of them are evaluated in one call, side by side. At most `n`
+        pieces; a single piece runs as it is."""
+        if len(pieces) > self.n:
+            raise ValueError(f"{len(pieces)} pieces for {self.n} lanes")
+        if len(pieces) == 1:
+            out = [fn(pieces[0])]
+            mx.eval(out)
+            return out
+        with _blas.threads_shared(len(pieces)):
+            out = []
+            for piece, stream in zip(pieces, self.streams):
+                with mx.stream(stream):
+                    out.append(fn(piece))
+            mx.eval(out)
+        return out
+
+
+_MADE: dict[tuple[int, int], Lanes] = {}
+
+
+def update_lanes(requested: int | None, compiled: bool = False) -> Lanes:
+    """The lanes of the update (`grpo.update_lanes`; None: `auto_lanes`), made once per
+    thread and count (MLX streams belong to the thread that made them). A compiled
+    update (`grpo.compile`) runs in one lane."""
+    n = 1 if compiled else (auto_lanes() if requested is None else requested)
+    key = (threading.get_ident(), n)
+    if key not in _MADE:
+        _MADE[key] = Lanes(n)
+    return _MADE[key]
