@@ -281,6 +281,7 @@ def test_guided_advantages_push_down_the_samples_only_in_group_mode(
     monkeypatch.setattr(trainer, "grpo_loss", recording_loss)
     args = ["--recipe", str(GUIDED), f"--model.path={tiny_model_dir}"]
     args += [f"--output.dir={tmp_path}", "--output.run=r", "--grpo.guidance=true"]
+    args += ["--grpo.update_lanes=1"]  # one loss call an update, on the whole batch
     assert cmd_train([*args, f"--grpo.guidance_advantage={mode}"]) == 0
     g = 4  # the toy's group size
     rewards = np.zeros(g)
