@@ -296,8 +296,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     """Each phase of one step alone on `rollout` (seconds), and its op-class estimate."""
     from mlx_grpo.dist import Dist
     from mlx_grpo.grpo import group_advantages, grpo_loss
-    from mlx_grpo.logprobs import completion_logprobs, effective_lengths
-    from mlx_grpo.models import adapters_disabled
+    from mlx_grpo.lanes import update_lanes
     from mlx_grpo.rollout import make_rollout_sampler, prefill_prompts
     from mlx_grpo.trainer import apply_update, build_loss_inputs, policy_gradient, reference_pass
 
@@ -308,25 +307,30 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     batch = build_loss_inputs(
         rollout, group_advantages(rewards, g), cfg.rollout.max_new_tokens, False
     )
-    need = [batch.prompts, batch.completions, cfg.grpo.logits_chunk, effective_lengths(batch.mask)]
+    lanes = update_lanes(cfg.grpo.update_lanes, cfg.grpo.compile)
     model.eval()
 
     def prefill():  # as the rollout does it: a prefix all prompts share, once
         prefill_prompts(model, prompts)
 
+    # The trainer's own update_step, timed by its parts, in its lanes.
     def ref():
-        with adapters_disabled(model):
-            mx.eval(completion_logprobs(model, *need)[0])
+        reference_pass(model, batch, cfg.grpo, lanes=lanes)
 
-    reference_pass(model, batch, cfg.grpo)
+    ref()
     loss_and_grad = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg.grpo))
     grads_box = {}
 
-    # The trainer's own update_step, timed by its parts.
     def fwd_bwd():
         model.train()
         grads_box["g"] = policy_gradient(
-            model, loss_and_grad, batch, Dist(), cfg.optimizer.max_grad_norm
+            model,
+            loss_and_grad,
+            batch,
+            Dist(),
+            cfg.optimizer.max_grad_norm,
+            cfg.grpo.micro_batch_tokens,
+            lanes,
         )[2]
         model.eval()
 
