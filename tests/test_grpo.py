@@ -512,6 +512,24 @@ def test_rank_shares_with_global_counts_sum_to_the_whole_batch(tiny, loss_type, 
     assert abs((a_own["loss"] + b_own["loss"]).item() - whole["loss"].item()) > 1e-3
 
 
+def _three_groups():
+    """Three groups of 4 rows of 9 tokens on prompts of 4, 7 and 3 tokens, row lengths
+    9, 2, 5, 1 | 3, 3, 8, 6 | 9, 9, 9, 9 (group costs, prompt + row lengths: 21, 27, 39),
+    a random mask ending at each row's last token, and advantages; and the rng, to draw
+    more from."""
+    rng = np.random.default_rng(3)
+    prompts = [mx.array(rng.integers(3, 200, p).tolist()) for p in (4, 7, 3)]
+    g, c = 4, 9
+    comp = mx.array(rng.integers(3, 200, (3 * g, c)), dtype=mx.int32)
+    lens = [9, 2, 5, 1, 3, 3, 8, 6, 9, 9, 9, 9]
+    mask = np.zeros((3 * g, c), np.float32)
+    for i, n in enumerate(lens):
+        mask[i, :n] = rng.random(n) < 0.7
+        mask[i, n - 1] = 1.0
+    adv = mx.array(rng.normal(size=3 * g).astype(np.float32))
+    return prompts, comp, mask, adv, rng
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn", "episode"])
 def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny_lp, loss_type, level):
@@ -523,16 +541,8 @@ def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny_lp, l
     model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model, seed=1)
-    rng = np.random.default_rng(3)
-    prompts = [mx.array(rng.integers(3, 200, p).tolist()) for p in (4, 7, 3)]
+    prompts, comp, mask, adv, rng = _three_groups()
     g, c = 4, 9
-    comp = mx.array(rng.integers(3, 200, (3 * g, c)), dtype=mx.int32)
-    lens = [9, 2, 5, 1, 3, 3, 8, 6, 9, 9, 9, 9]
-    mask = np.zeros((3 * g, c), np.float32)
-    for i, n in enumerate(lens):
-        mask[i, :n] = rng.random(n) < 0.7
-        mask[i, n - 1] = 1.0
-    adv = mx.array(rng.normal(size=3 * g).astype(np.float32))
     old = mx.array(rng.normal(-5, 1, (3 * g, c)).astype(np.float32))
     ref = mx.array(rng.normal(-5, 1, (3 * g, c)).astype(np.float32))
     batch = LossInputs(prompts, comp, mx.array(mask), adv, old, ref, c)
@@ -577,16 +587,8 @@ def test_lanes_give_the_whole_batch_reference_loss_metrics_and_gradient(tiny_lp,
     model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model, seed=1)
-    rng = np.random.default_rng(3)
-    prompts = [mx.array(rng.integers(3, 200, p).tolist()) for p in (4, 7, 3)]
+    prompts, comp, mask, adv, _ = _three_groups()
     g, c = 4, 9
-    comp = mx.array(rng.integers(3, 200, (3 * g, c)), dtype=mx.int32)
-    lens = [9, 2, 5, 1, 3, 3, 8, 6, 9, 9, 9, 9]
-    mask = np.zeros((3 * g, c), np.float32)
-    for i, n in enumerate(lens):
-        mask[i, :n] = rng.random(n) < 0.7
-        mask[i, n - 1] = 1.0
-    adv = mx.array(rng.normal(size=3 * g).astype(np.float32))
     cfg = GRPOConfig(beta=0.04, loss_type=loss_type)
     grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg))
 
