@@ -334,8 +334,9 @@ class GRPOConfig(_Section):
         "group's rows) side by side on CPU streams of their own, each BLAS call on its "
         "share of the threads (mlx_grpo/lanes.py): the same loss and gradient, with "
         "the elementwise work of one lane running while another's matmuls do. None: 2 "
-        "where MLX computes on the CPU with 2 or more BLAS threads, 1 elsewhere; 1 "
-        "under grpo.compile.",
+        "where MLX computes on the CPU with 2 or more BLAS threads and evaluates at least "
+        "1000 ops wide (MLX_BFS_MAX_WIDTH, set by mlx_grpo on CPU builds), 1 elsewhere; "
+        "1 under grpo.compile.",
     )
 
     compile: bool = Field(

@@ -13,26 +13,40 @@ metrics and gradients sum to the batch's, as micro-batches' do (`grpo.lane_piece
 MLX evaluates a graph in breadth-first order only up to a width (`MLX_BFS_MAX_WIDTH`,
 20 by default), deeper than that depth-first: two lanes' graphs would then be queued
 one after the other. `mlx_grpo` widens it on CPU builds before MLX runs
-(`mlx_grpo.EVAL_WIDTH`); where MLX ran first, the lanes are still correct, just not
-side by side.
+(`mlx_grpo.EVAL_WIDTH`); where it is narrower (another build, or a width the user set),
+the update runs in one lane unless `grpo.update_lanes` asks for more.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from mlx_grpo import _blas
+from mlx_grpo import EVAL_WIDTH, _blas
+
+MLX_DEFAULT_WIDTH = 20
 
 
 def auto_lanes() -> int:
-    """2 where MLX computes on the CPU with a BLAS of two threads or more, else 1 (a GPU
-    runs a stream's kernels on all its cores already)."""
+    """2 where MLX computes on the CPU with a BLAS of two threads or more and evaluates
+    wide enough for two lanes to interleave (`eval_width`), else 1: a GPU runs a
+    stream's kernels on all its cores already, and lanes queued one after the other
+    would only halve each one's BLAS threads."""
     blas = _blas._state["blas"]
     on_cpu = mx.default_device() == mx.cpu
-    return 2 if on_cpu and blas is not None and (blas.threads or 0) >= 2 else 1
+    threads = blas is not None and (blas.threads or 0) >= 2
+    return 2 if on_cpu and threads and eval_width() >= EVAL_WIDTH else 1
+
+
+def eval_width() -> int:
+    """The breadth-first width MLX evaluates with (`MLX_BFS_MAX_WIDTH`, default 20)."""
+    try:
+        return int(os.environ.get("MLX_BFS_MAX_WIDTH", MLX_DEFAULT_WIDTH))
+    except ValueError:
+        return MLX_DEFAULT_WIDTH
 
 
 class Lanes:

@@ -634,6 +634,44 @@ def test_lanes_give_the_whole_batch_reference_loss_metrics_and_gradient(tiny_lp,
                 assert_f32_close(g_split[k], g_one[k], n, k)
 
 
+def test_two_lanes_by_default_only_on_a_cpu_with_two_blas_threads_and_a_wide_evaluation(
+    monkeypatch,
+):
+    """`auto_lanes`: lanes pay where a second core would wait, and only where MLX
+    evaluates them side by side; a narrow evaluation order would queue them one after
+    the other, each on half the BLAS threads."""
+    from types import SimpleNamespace
+
+    from mlx_grpo import EVAL_WIDTH, _blas
+    from mlx_grpo.lanes import auto_lanes, update_lanes
+
+    prev = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        cases = [  # (BLAS threads or no BLAS of ours, MLX_BFS_MAX_WIDTH or unset, lanes)
+            (2, str(EVAL_WIDTH), 2),
+            (8, "4096", 2),
+            (2, None, 1),
+            (2, "20", 1),
+            (2, "wide", 1),
+            (1, str(EVAL_WIDTH), 1),
+            (None, str(EVAL_WIDTH), 1),
+        ]
+        for threads, width, want in cases:
+            blas = None if threads is None else SimpleNamespace(threads=threads)
+            monkeypatch.setitem(_blas._state, "blas", blas)
+            if width is None:
+                monkeypatch.delenv("MLX_BFS_MAX_WIDTH", raising=False)
+            else:
+                monkeypatch.setenv("MLX_BFS_MAX_WIDTH", width)
+            assert auto_lanes() == want, (threads, width)
+            assert update_lanes(None).n == want
+            assert update_lanes(None, compiled=True).n == 1
+            assert update_lanes(3).n == 3
+    finally:
+        mx.set_default_device(prev)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn", "episode"])
 def test_folded_alike_rows_give_the_loss_metrics_and_gradient_of_every_row(tiny, loss_type, level):
