@@ -99,7 +99,7 @@ def test_hostile_programs_score_zero_with_named_reasons(fast_sandbox, home_secre
         "network": f"import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}))\n"
         "    return 2 * x",
         "exited": "import os\ndef f(x):\n    os._exit(0)",
-        "output_limit": "def f(x):\n    print('x' * 10**8)\n    return 2 * x",
+        "output_limit": "def f(x):\n    print('x' * 10**7)\n    return 2 * x",
     }
     home_reader = f"def f(x):\n    open({str(home_secret)!r}).read()\n    return 2 * x"
     # A program that catches the refusal and answers right is still failed.

@@ -10,7 +10,7 @@ PROGRAMS = [
     "import os\ndef f(x):\n    os._exit(0)",
     "def f(x):\n    open('/etc/mlx-grpo-escape', 'w')\n    return 2 * x",
     "import socket\ndef f(x):\n    socket.socket()\n    return 2 * x",
-    "def f(x):\n    print('x' * 10**8)\n    return 2 * x",
+    "def f(x):\n    print('x' * 10**7)\n    return 2 * x",
     "def f(x):\n    return 2 * x",
 ]
 
