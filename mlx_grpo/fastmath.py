@@ -4,8 +4,8 @@ MLX 0.32's CPU backend evaluates `mx.exp` one element at a time: on x86 it costs
 12 ns a float, 20x NumPy's time, and an exp over [rows, 49152] logits costs more than
 the matmul that made them. `exp` here is the same algorithm as MLX's own (the same
 range reduction and degree-6 polynomial for 2^f, so the same accuracy), written with
-arithmetic that the compiler vectorises, and compiled into one kernel: about 8x faster
-on a CPU. Its gradient is the output itself, as for `mx.exp`. On a GPU both are one
+arithmetic that the compiler vectorises, and compiled into two fused loops: about 7x
+faster on a CPU. Its gradient is the output itself, as for `mx.exp`. On a GPU both are one
 kernel, and `exp` is `mx.exp`.
 
 `swiglu` (silu(gate) * x) takes its sigmoid from `exp`: MLX's CPU sigmoid is scalar as
@@ -29,7 +29,6 @@ from mlx_lm.models.activations import swiglu as _mlx_lm_swiglu
 
 _LOG2E = 1.4426950408889634
 _ROUND = 12582912.0  # 1.5 * 2^23: adding it rounds a float below 2^22 to an integer
-_EXP_BIAS = 0x4B400000 - 127  # the bits of _ROUND, less the float32 exponent bias
 # 2^f on [-1/2, 1/2], highest power first (Cephes' exp2f coefficients, as in MLX).
 _POLY = (
     1.535336188319500e-4,
@@ -47,13 +46,18 @@ def _exp_kernel(x: mx.array) -> mx.array:
     # the exponent field of 2^n is 0 (the float 0) at n = -127 and 255 (inf) at n = 128:
     # e^x is 0 below about -88.0 and inf above about 88.4 (float32's limits are -87.3 for
     # normal numbers and 88.7; MLX's exp has the same kind of cut-offs). NaN stays NaN.
+    #
+    # MLX fuses elementwise ops into one loop only up to 11 ops deep, and not across a
+    # bitcast of an intermediate: the polynomial goes by Estrin's scheme (5 deep, where
+    # Horner's is 12) and 2^n is built from n cast to an integer, so that the whole is two
+    # fused loops, not six (a [64, 49152] exp: 5 ms instead of 25 on a 2-core Xeon).
     t = mx.minimum(mx.maximum(x * _LOG2E, -127.0), 128.0)
-    r = t + _ROUND  # its low mantissa bits hold n
-    f = t - (r - _ROUND)
-    p = _POLY[0]
-    for c in _POLY[1:]:
-        p = p * f + c
-    return p * ((r.view(mx.int32) - _EXP_BIAS) << 23).view(mx.float32)
+    n = (t + _ROUND) - _ROUND  # round(t), half to even
+    f = t - n
+    f2 = f * f
+    c0, c1, c2, c3, c4, c5, c6 = _POLY
+    p = (c0 * f2 + (c1 * f + c2)) * (f2 * f2) + ((c3 * f + c4) * f2 + (c5 * f + c6))
+    return p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
 
 
 _exp_compiled = mx.compile(_exp_kernel)
@@ -115,12 +119,51 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return _fast_swiglu(gate, x)
 
 
+# MLX's CPU backend reduces over an array's last (contiguous) axis one entry at a time,
+# at 1-2 ns a float; over an inner axis it reduces whole contiguous runs at once,
+# vectorised. `row_max` and `row_sum` reduce a wide last axis as [..., V / r, r]: over
+# the V / r runs first (vectorised), then over the r partial results. A 49,152-word
+# vocabulary at 16 rows: max 0.16 ms instead of 0.82, sum 0.13 instead of 0.40 (2-core
+# Xeon); at 1,024 rows 27 and 19 ms instead of 93 and 65.
+REDUCE_RUN = 256  # r: the largest power of two up to this that divides V
+MIN_REDUCE_RUN = 16  # below it (an odd vocabulary), the plain reduction
+
+
+def _reduce_run(v: int) -> int | None:
+    """r for a last axis of v entries, or None where the plain reduction is as good.
+
+    >>> [_reduce_run(v) for v in (49152, 151936, 32000, 50257, 256, 64)]
+    [256, 128, 256, None, None, None]
+    """
+    r = min(v & -v, REDUCE_RUN)  # v's largest power-of-two factor, capped
+    return r if r >= MIN_REDUCE_RUN and v > r else None
+
+
+def _two_stage(x: mx.array, op: str, keepdims: bool) -> mx.array:
+    r = _reduce_run(x.shape[-1]) if _on_cpu() else None
+    if r is None:
+        return getattr(x, op)(axis=-1, keepdims=keepdims)
+    runs = x.reshape(*x.shape[:-1], x.shape[-1] // r, r)
+    return getattr(getattr(runs, op)(axis=-2), op)(axis=-1, keepdims=keepdims)
+
+
+def row_max(x: mx.array, keepdims: bool = False) -> mx.array:
+    """`x.max(axis=-1, keepdims=keepdims)`, the same numbers, faster on a CPU for wide rows."""
+    return _two_stage(x, "max", keepdims)
+
+
+def row_sum(x: mx.array, keepdims: bool = False) -> mx.array:
+    """`x.sum(axis=-1, keepdims=keepdims)` for wide rows, faster on a CPU; the additions
+    are grouped otherwise (by runs of r), so the result differs within float32 rounding."""
+    return _two_stage(x, "sum", keepdims)
+
+
 def entropy(logprobs: mx.array) -> mx.array:
     """-sum p log p over the last axis of log-probabilities, in
     float32, with `exp`; a masked token (log-prob -inf) adds 0."""
     lp = logprobs.astype(mx.float32)
     p = exp(lp)
-    return -mx.where(p > 0, p * lp, 0.0).sum(axis=-1)
+    return -row_sum(mx.where(p > 0, p * lp, 0.0))
 
 
 def uniform_rows(keys: mx.array) -> mx.array:
@@ -136,11 +179,11 @@ def softmax_parts(logits: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.ar
     log-probs then `entropy` take two and write the log-probs in between. A logit of
     -inf adds 0 to the entropy."""
     x = logits.astype(mx.float32)
-    s = x - x.max(axis=-1, keepdims=True)
+    s = x - row_max(x, keepdims=True)
     e = exp(s)
-    total = e.sum(axis=-1, keepdims=True)
+    total = row_sum(e, keepdims=True)
     log_z = mx.log(total)
-    spread = mx.where(e > 0, e * s, 0.0).sum(axis=-1, keepdims=True)
+    spread = row_sum(mx.where(e > 0, e * s, 0.0), keepdims=True)
     return s, e, log_z, (log_z - spread / total).squeeze(-1)
 
 
@@ -192,7 +235,7 @@ def categorical(
     """
     logits = logits.astype(mx.float32)
     lead, v = logits.shape[:-1], logits.shape[-1]
-    w = exp(logits - logits.max(axis=-1, keepdims=True)).reshape(-1, v)
+    w = exp(logits - row_max(logits, keepdims=True)).reshape(-1, v)
     if u is None:
         u = mx.random.uniform(shape=(*lead, 1), key=key)
     picked = inverse_cdf(w, u.reshape(-1, 1))

@@ -52,12 +52,12 @@ def _logprobs_of(
     than the GEMM that made the logits, and logsumexp + softmax would take three.
     """
     shifted = logits.astype(mx.float32)
-    shifted = shifted - mx.stop_gradient(shifted.max(axis=-1, keepdims=True))
+    shifted = shifted - mx.stop_gradient(fastmath.row_max(shifted, keepdims=True))
     e = fastmath.exp(shifted)
-    total = e.sum(axis=-1)
+    total = fastmath.row_sum(e)
     log_total = mx.log(total)
     picked = mx.take_along_axis(shifted, mx.stop_gradient(targets)[..., None], axis=-1)
-    entropy = log_total - (e * shifted).sum(axis=-1) / total
+    entropy = log_total - fastmath.row_sum(e * shifted) / total
     return picked.squeeze(-1) - log_total, entropy if entropy_grad else mx.stop_gradient(entropy)
 
 

@@ -16,8 +16,9 @@ EPS32 = 2.0**-24  # float32 unit roundoff
 
 def test_exp_is_within_float32_rounding_of_float64_exp():
     """Error budget of 2^t with t = x log2(e): rounding t costs ln2 |t| ulps of the
-    result, the polynomial for 2^f about 3.4 (its minimax error, 2e-7) and Horner's six
-    steps and the final product one each: (12 + ln2 |t|) unit roundoffs, relative."""
+    result, the polynomial for 2^f about 3.4 (its minimax error, 2e-7), its evaluation
+    (Estrin's scheme: at most six roundings on a path) and the final product one each:
+    (12 + ln2 |t|) unit roundoffs, relative."""
     x = np.concatenate(
         [np.linspace(-87.0, 88.0, 200_001), np.random.default_rng(0).normal(0, 4, 100_000)]
     ).astype(np.float32)
@@ -42,6 +43,22 @@ def test_exp_gradient_is_its_output():
     grad = mx.grad(lambda v: (fastmath.exp(v) * w).sum())(x)
     want = np.array(w, np.float64) * np.exp(np.array(x, np.float64))
     assert np.allclose(np.array(grad), want, rtol=(12 + math.log(2) * 29) * EPS32, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 49152), (2, 3, 768), (4, 1001), (5, 256), (2, 151936)])
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_row_max_and_row_sum_reduce_the_last_axis(shape, keepdims):
+    """Against NumPy over the last axis: the max exactly (by runs or not, it is the
+    same number), the sum within float32 rounding of V additions of |x| (either
+    grouping of them), relative to the sum of |x|."""
+    x = np.random.default_rng(3).normal(size=shape).astype(np.float32) * 5
+    got_max = np.array(fastmath.row_max(mx.array(x), keepdims=keepdims))
+    got_sum = np.array(fastmath.row_sum(mx.array(x), keepdims=keepdims), np.float64)
+    assert np.array_equal(got_max, x.max(axis=-1, keepdims=keepdims))
+    want = x.astype(np.float64).sum(axis=-1, keepdims=keepdims)
+    scale = np.abs(x.astype(np.float64)).sum(axis=-1, keepdims=keepdims)
+    assert got_sum.shape == want.shape
+    assert np.all(np.abs(got_sum - want) <= shape[-1] * EPS32 * scale)
 
 
 def test_log_softmax_and_entropy_match_float64():
