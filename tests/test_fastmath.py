@@ -16,9 +16,8 @@ EPS32 = 2.0**-24  # float32 unit roundoff
 
 def test_exp_is_within_float32_rounding_of_float64_exp():
     """Error budget of 2^t with t = x log2(e): rounding t costs ln2 |t| ulps of the
-    result, the polynomial for 2^f about 3.4 (its minimax error, 2e-7), its evaluation
-    (Estrin's scheme: at most six roundings on a path) and the final product one each:
-    (12 + ln2 |t|) unit roundoffs, relative."""
+    result, the polynomial for 2^f about 3.4 (its minimax error, 2e-7) and Horner's six
+    steps and the final product one each: (12 + ln2 |t|) unit roundoffs, relative."""
     x = np.concatenate(
         [np.linspace(-87.0, 88.0, 200_001), np.random.default_rng(0).normal(0, 4, 100_000)]
     ).astype(np.float32)
