@@ -56,6 +56,7 @@ from mlx_grpo import evalcache
 from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
 from mlx_grpo.durable import check_writable
 from mlx_grpo.evaluate import TaskResult
+from mlx_grpo.procmem import keep_freed_memory
 from mlx_grpo.recipe import INFRASTRUCTURE_FAILURES, Recipe, Task, recipe_defaults, recipe_dir
 from mlx_grpo.report import (
     compare_results,
@@ -300,6 +301,10 @@ def run_compare(argv: list[str], console=None) -> dict:
                 highlight=False,
             )
         else:
+            # Each batch of episodes allocates what the last one freed: keep it rather
+            # than fault in fresh pages (rollouts took up to 40% longer without, on a
+            # 2-core Linux VM).
+            keep_freed_memory()
             console.print(f"evaluating {s.name}: {s.describe()} ...", highlight=False)
             results[s.flag], seconds[s.flag] = evaluate_side(
                 s, recipe, tasks, cfg, args.samples, args.temperature, args.seed, args.batch_tasks

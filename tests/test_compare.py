@@ -622,6 +622,9 @@ def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
         return real(side, *args, **kw)
 
     monkeypatch.setattr(cmp, "evaluate_side", spy)
+    # Freed memory is kept (procmem) before each side that plays, not for a kept side.
+    kept = []
+    monkeypatch.setattr(cmp, "keep_freed_memory", lambda: kept.append(len(played)))
     recipe = tmp_path / "toy"
     shutil.copytree(TOY, recipe)
     adapters = tmp_path / "adapters"
@@ -630,9 +633,9 @@ def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
     argv += ["--recipe", recipe, "--n-tasks", 3, "--out", tmp_path / "out"]
 
     first, _ = _compare(capsys, *argv)
-    assert played == ["a", "b"] and first["eval"]["cached"] == {}
+    assert played == ["a", "b"] and first["eval"]["cached"] == {} and kept == [0, 1]
     second, printed = _compare(capsys, *argv)
-    assert played == ["a", "b"]  # nothing played again
+    assert played == ["a", "b"] and kept == [0, 1]  # nothing played again
     assert set(second["eval"]["cached"]) == {"a", "b"} and "kept from" in printed
     assert second["tasks"] == first["tasks"] and second["rows"] == first["rows"]
 
