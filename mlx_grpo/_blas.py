@@ -198,7 +198,9 @@ class Blas:
         return f"{config or 'BLAS'} ({self.name}, {self.threads} threads{forced})"
 
 
-_state: dict = {"blas": None, "lib": None}  # the choice, and the library loaded for it
+# The choice, the library loaded for it, and the skinny-GEMM front in front of it (or
+# why there is none).
+_state: dict = {"blas": None, "lib": None, "front": None, "front_why": ""}
 
 
 # ---------------------------------------------------------------------------- threads
@@ -358,30 +360,42 @@ def _build_shim(lib: Path) -> tuple[Path | None, str]:
     """The compiled forwarding shim for scipy-openblas32 (built once into the cache)."""
     if platform.machine() not in ("x86_64", "aarch64"):
         return None, f"no shim for {platform.machine()}"
-    source = _shim_source()
     st = lib.stat()
-    key = hashlib.sha256(f"{source}{lib}{st.st_size}{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / "blas" / f"scipy-openblas32-shim-{key}.so"
+    out, why = compile_library(
+        _shim_source(),
+        "scipy-openblas32-shim",
+        [str(lib), f"-Wl,-rpath,{lib.parent}"],
+        key=f"{lib}{st.st_size}{st.st_mtime_ns}",
+    )
+    return out, why and f"its shim {why}"
+
+
+def compile_library(
+    source: str, name: str, args: list[str], key: str = ""
+) -> tuple[Path | None, str]:
+    """`source` (C) compiled with the system C compiler into a shared library in the
+    cache, once per source, arguments and `key`; or None and why not."""
+    digest = hashlib.sha256(f"{source}{args}{key}".encode()).hexdigest()[:16]
+    out = cache_root() / "blas" / f"{name}-{digest}.so"
     if out.exists():
         return out, ""
     cc = next(
         (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
     )
     if cc is None:
-        return None, "no C compiler (cc) to build its shim"
+        return None, "needs a C compiler (cc) to be built"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / "shim.c"
+            src = Path(tmp) / f"{name}.c"
             src.write_text(source)
-            cmd = [cc, "-shared", "-fPIC", "-o", f"{tmp}/shim.so", str(src), str(lib),
-                   f"-Wl,-rpath,{lib.parent}"]  # fmt: skip
+            cmd = [cc, "-shared", "-fPIC", "-o", f"{tmp}/{name}.so", str(src), *args]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
-                return None, f"its shim did not compile: {_last_line(done.stderr)}"
-            os.replace(f"{tmp}/shim.so", out)
+                return None, f"did not compile: {_last_line(done.stderr)}"
+            os.replace(f"{tmp}/{name}.so", out)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"its shim could not be built: {e}"
+        return None, f"could not be built: {e}"
     return out, ""
 
 
@@ -744,10 +758,17 @@ def use_fast_blas() -> Blas | None:
     except Exception as e:  # noqa: BLE001  (a fast BLAS is never worth failing the import)
         blas, warning = Blas("builtin", None), f"choosing a BLAS failed ({e!r}); using MLX's own"
     if blas.path is not None:
+        from mlx_grpo import _skinny
+
+        front, _state["front_why"], isa = _skinny.prepare(blas.path, blas.threads or 1)
         try:
+            # Before the BLAS: MLX's cblas_sgemm is then the front's (mlx_grpo._skinny).
+            front_lib = _skinny.load(front) if front is not None else None
             # Set through the library, not the environment: processes this one starts
             # (an `mlx.launch` job, say) choose their own share.
             _state["lib"] = _load(blas.path, blas.threads or 1, blas.coretype)
+            if front_lib is not None:
+                _state["front"] = _skinny.start(front_lib, _state["lib"], blas.threads or 1, isa)
         except OSError as e:  # removed between the probe and now
             warning, blas = (
                 f"{blas.path} could not be loaded ({e}); using MLX's built-in BLAS",
@@ -768,15 +789,21 @@ def threads_shared(ways: int):
     if lib is None or ways < 2 or not blas.threads:
         yield
         return
-    _set_threads(lib, max(1, blas.threads // ways))
+    share = max(1, blas.threads // ways)
+    _set_threads(lib, share)
+    if (front := _state["front"]) is not None:
+        front.set_threads(share)
     try:
         yield
     finally:
         _set_threads(lib, blas.threads)
+        if front is not None:
+            front.set_threads(blas.threads)
 
 
 def blas_in_use() -> str:
     """What MLX computes its matmuls with in this process, for the first line of a run."""
     if (blas := _state["blas"]) is not None:
-        return blas.describe()
+        front = _state["front"]
+        return blas.describe() + (f" + {front.describe()}" if front is not None else "")
     return "MLX built-in BLAS" if sys.platform == "linux" else "Accelerate"

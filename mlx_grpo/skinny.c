@@ -1,0 +1,284 @@
+/* A front for cblas_sgemm that streams the weights of skinny products (mlx_grpo/skinny.py).
+ *
+ * MLX computes a linear layer x W^T as cblas_sgemm(RowMajor, NoTrans, Trans, M, N, K, 1, x,
+ * lda, W, ldb, 0, y, ldc). At decode's M (a few to 32 rows) every BLAS tried packs W before
+ * it multiplies and reads it at about half the memory bandwidth. Here such a call is a set
+ * of dot products instead: each W row is read once, straight from memory, against every
+ * row of x (which stays in cache), the output columns shared between this thread and the
+ * pool's. Any other call goes to the BLAS whose cblas_sgemm `skinny_init` was given.
+ *
+ * Each y[r][o] is summed in one order, whatever M, the split between threads or the
+ * blocking: a vector of partial sums over k in steps of the vector width, then the sum of
+ * its lanes. A row's result therefore does not depend on which other rows share its call.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PAUSE() _mm_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
+                         int, float, float *, int);
+
+typedef struct {
+    const float *x, *w;
+    float *y;
+    long lda, ldb, ldc;
+    int m, k;
+} product;
+
+typedef void (*kernel_fn)(const product *, int o0, int o1);
+
+static sgemm_fn fallback;
+static kernel_fn kernel;
+static int max_rows = 32;
+static long min_weight = 65536;  /* N * K below this: the BLAS's own small-matrix path */
+static atomic_long fast_calls, forwarded_calls;
+
+/* ---------------------------------------------------------------- kernels (x86-64) */
+#if defined(__x86_64__)
+
+#define RB 4 /* rows of x per block */
+#define OB 4 /* rows of W per block */
+
+/* The next block's W rows, on their way into cache while this block computes. */
+static inline void prefetch_rows(const product *p, int o) {
+    for (int j = 0; j < OB; j++)
+        for (int k = 0; k < p->k; k += 16) _mm_prefetch((const char *)(p->w + (o + j) * p->ldb + k), _MM_HINT_T0);
+}
+
+__attribute__((target("avx512f"), always_inline)) static inline void block512(
+    const product *p, int r0, int rb, int o, int ob) {
+    __m512 acc[RB][OB];
+    for (int i = 0; i < rb; i++)
+        for (int j = 0; j < ob; j++) acc[i][j] = _mm512_setzero_ps();
+    const float *w = p->w + o * p->ldb, *x = p->x + r0 * p->lda;
+    int k = 0;
+    for (; k + 16 <= p->k; k += 16) {
+        __m512 wv[OB];
+        for (int j = 0; j < ob; j++) wv[j] = _mm512_loadu_ps(w + j * p->ldb + k);
+        for (int i = 0; i < rb; i++) {
+            __m512 xv = _mm512_loadu_ps(x + i * p->lda + k);
+            for (int j = 0; j < ob; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < p->k) {
+        __mmask16 mask = (__mmask16)((1u << (p->k - k)) - 1);
+        __m512 wv[OB];
+        for (int j = 0; j < ob; j++) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * p->ldb + k);
+        for (int i = 0; i < rb; i++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * p->lda + k);
+            for (int j = 0; j < ob; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < rb; i++)
+        for (int j = 0; j < ob; j++) p->y[(r0 + i) * p->ldc + o + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+__attribute__((target("avx512f"))) static void kernel512(const product *p, int o0, int o1) {
+    int o = o0;
+    for (; o + OB <= o1; o += OB) {
+        if (o + 2 * OB <= o1) prefetch_rows(p, o + OB);
+        int r = 0;
+        for (; r + RB <= p->m; r += RB) block512(p, r, RB, o, OB);
+        if (r < p->m) block512(p, r, p->m - r, o, OB);
+    }
+    for (; o < o1; o++) {
+        int r = 0;
+        for (; r + RB <= p->m; r += RB) block512(p, r, RB, o, 1);
+        if (r < p->m) block512(p, r, p->m - r, o, 1);
+    }
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void block256(
+    const product *p, int r0, int rb, int o, int ob) {
+    __m256 acc[RB][OB];
+    for (int i = 0; i < rb; i++)
+        for (int j = 0; j < ob; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int k = 0; k < p->k; k += 8) {
+        int left = p->k - k;
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 w[OB];
+        for (int j = 0; j < ob; j++) w[j] = _mm256_maskload_ps(p->w + (o + j) * p->ldb + k, mask);
+        for (int i = 0; i < rb; i++) {
+            __m256 x = _mm256_maskload_ps(p->x + (r0 + i) * p->lda + k, mask);
+            for (int j = 0; j < ob; j++) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < rb; i++)
+        for (int j = 0; j < ob; j++) p->y[(r0 + i) * p->ldc + o + j] = sum256(acc[i][j]);
+}
+
+__attribute__((target("avx2,fma"))) static void kernel256(const product *p, int o0, int o1) {
+    int o = o0;
+    for (; o + OB <= o1; o += OB) {
+        int r = 0;
+        for (; r + RB <= p->m; r += RB) block256(p, r, RB, o, OB);
+        if (r < p->m) block256(p, r, p->m - r, o, OB);
+    }
+    for (; o < o1; o++) {
+        int r = 0;
+        for (; r + RB <= p->m; r += RB) block256(p, r, RB, o, 1);
+        if (r < p->m) block256(p, r, p->m - r, o, 1);
+    }
+}
+
+static kernel_fn best_kernel(const char *isa) {
+    __builtin_cpu_init();
+    int avx512 = __builtin_cpu_supports("avx512f");
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa && isa[0] == '2') avx512 = 0; /* "256": the AVX2 kernel on an AVX-512 CPU */
+    if (avx512) return kernel512;
+    if (avx2) return kernel256;
+    return 0;
+}
+#else
+static kernel_fn best_kernel(const char *isa) {
+    (void)isa;
+    return 0;
+}
+#endif
+
+/* ------------------------------------------------------------------------- the pool */
+#define MAX_THREADS 64
+
+static struct {
+    pthread_mutex_t busy;            /* one product at a time; others run on their caller */
+    pthread_mutex_t lock;            /* for sleeping workers */
+    pthread_cond_t wake;
+    atomic_uint seq;                 /* bumped for each product */
+    atomic_int pending, sleepers;
+    int workers, started;
+    product job;
+    int bounds[MAX_THREADS + 1];
+    long spin_ns;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void *worker(void *arg) {
+    int me = (int)(intptr_t)arg;
+    unsigned seen = 0;
+    for (;;) {
+        /* Spin a while (decode calls come every few tens of microseconds), then sleep. */
+        long until = now_ns() + pool.spin_ns;
+        for (int n = 0; atomic_load(&pool.seq) == seen; n++) {
+            PAUSE();
+            if ((n & 255) == 255 && now_ns() > until) {
+                pthread_mutex_lock(&pool.lock);
+                atomic_fetch_add(&pool.sleepers, 1);
+                while (atomic_load(&pool.seq) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+        seen = atomic_load(&pool.seq);
+        if (pool.bounds[me] < pool.bounds[me + 1]) kernel(&pool.job, pool.bounds[me], pool.bounds[me + 1]);
+        atomic_fetch_sub(&pool.pending, 1);
+    }
+    return 0;
+}
+
+/* Threads beyond the caller's, started on first use; never more than asked so far. */
+static int ensure_workers(int n) {
+    while (pool.started < n) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.started++;
+    }
+    return pool.started < n ? pool.started : n;
+}
+
+static void run(const product *p, int n) {
+    if (pool.workers < 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        kernel(p, 0, n);  /* one thread: no pool, or another stream's product holds it */
+        return;
+    }
+    int workers = ensure_workers(pool.workers);
+    int parts = workers + 1;
+    pool.job = *p;
+    for (int i = 0; i <= parts; i++) pool.bounds[i] = (int)((long)n * i / parts / OB * OB);
+    pool.bounds[parts] = n;
+    atomic_store(&pool.pending, workers);
+    atomic_fetch_add(&pool.seq, 1);
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    if (pool.bounds[0] < pool.bounds[1]) kernel(p, pool.bounds[0], pool.bounds[1]);
+    while (atomic_load(&pool.pending) > 0) PAUSE();
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* --------------------------------------------------------------------------- the API */
+
+/* The BLAS to forward to, the threads to use, and which kernel ("" for the best this CPU
+ * runs, "256" for AVX2 on a CPU with AVX-512). Returns the kernel's vector width in floats,
+ * 0 where there is none (everything is then forwarded). */
+int skinny_init(sgemm_fn blas, int threads, const char *isa, long spin_us) {
+    fallback = blas;
+    kernel = best_kernel(isa);
+    pool.workers = threads > MAX_THREADS ? MAX_THREADS - 1 : threads - 1;
+    pool.spin_ns = spin_us * 1000L;
+#if defined(__x86_64__)
+    if (kernel == kernel512) return 16;
+    if (kernel == kernel256) return 8;
+#endif
+    return 0;
+}
+
+void skinny_set_threads(int threads) {
+    pool.workers = threads > MAX_THREADS ? MAX_THREADS - 1 : threads - 1;
+}
+
+void skinny_set_limits(int rows, long weight) {
+    max_rows = rows;
+    min_weight = weight;
+}
+
+/* Calls streamed and calls forwarded so far. */
+void skinny_counts(long *fast, long *forwarded) {
+    *fast = atomic_load(&fast_calls);
+    *forwarded = atomic_load(&forwarded_calls);
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                 const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+    if (kernel && fallback && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && alpha == 1.0f &&
+        beta == 0.0f && m >= 1 && m <= max_rows && k >= 1 && (long)n * k >= min_weight) {
+        product p = {a, b, c, lda, ldb, ldc, m, k};
+        atomic_fetch_add(&fast_calls, 1);
+        run(&p, n);
+        return;
+    }
+    atomic_fetch_add(&forwarded_calls, 1);
+    if (!fallback) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm"); /* never started */
+    fallback(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
