@@ -145,6 +145,9 @@ class Front:
     def set_threads(self, threads: int) -> None:
         self.lib.skinny_set_threads(threads)
 
+    def threads(self) -> int:
+        return self.lib.skinny_threads()
+
     def counts(self) -> tuple[int, int]:
         """(products it computed, calls it passed on to the BLAS) so far."""
         fast, forwarded = ctypes.c_long(), ctypes.c_long()

@@ -112,14 +112,23 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block256(
     __m256 acc[RB][OB];
     for (int i = 0; i < rb; i++)
         for (int j = 0; j < ob; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int k = 0; k < p->k; k += 8) {
-        int left = p->k - k;
-        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 w[OB];
-        for (int j = 0; j < ob; j++) w[j] = _mm256_maskload_ps(p->w + (o + j) * p->ldb + k, mask);
+    const float *w = p->w + o * p->ldb, *x = p->x + r0 * p->lda;
+    int k = 0;
+    for (; k + 8 <= p->k; k += 8) {
+        __m256 wv[OB];
+        for (int j = 0; j < ob; j++) wv[j] = _mm256_loadu_ps(w + j * p->ldb + k);
         for (int i = 0; i < rb; i++) {
-            __m256 x = _mm256_maskload_ps(p->x + (r0 + i) * p->lda + k, mask);
-            for (int j = 0; j < ob; j++) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
+            __m256 xv = _mm256_loadu_ps(x + i * p->lda + k);
+            for (int j = 0; j < ob; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < p->k) {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(p->k - k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 wv[OB];
+        for (int j = 0; j < ob; j++) wv[j] = _mm256_maskload_ps(w + j * p->ldb + k, mask);
+        for (int i = 0; i < rb; i++) {
+            __m256 xv = _mm256_maskload_ps(x + i * p->lda + k, mask);
+            for (int j = 0; j < ob; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
     for (int i = 0; i < rb; i++)
@@ -129,6 +138,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block256(
 __attribute__((target("avx2,fma"))) static void kernel256(const product *p, int o0, int o1) {
     int o = o0;
     for (; o + OB <= o1; o += OB) {
+        if (o + 2 * OB <= o1) prefetch_rows(p, o + OB);
         int r = 0;
         for (; r + RB <= p->m; r += RB) block256(p, r, RB, o, OB);
         if (r < p->m) block256(p, r, p->m - r, o, OB);
@@ -237,12 +247,25 @@ static void run(const product *p, int n) {
     pthread_mutex_unlock(&pool.busy);
 }
 
+/* A child of fork() has none of the parent's threads: it starts its own when it needs them. */
+static void forked(void) {
+    pthread_mutex_init(&pool.busy, 0);
+    pthread_mutex_init(&pool.lock, 0);
+    pthread_cond_init(&pool.wake, 0);
+    atomic_store(&pool.seq, 0);
+    atomic_store(&pool.pending, 0);
+    atomic_store(&pool.sleepers, 0);
+    pool.started = 0;
+}
+
 /* --------------------------------------------------------------------------- the API */
 
 /* The BLAS to forward to, the threads to use, and which kernel ("" for the best this CPU
  * runs, "256" for AVX2 on a CPU with AVX-512). Returns the kernel's vector width in floats,
  * 0 where there is none (everything is then forwarded). */
 int skinny_init(sgemm_fn blas, int threads, const char *isa, long spin_us) {
+    static int once;
+    if (!once++) pthread_atfork(0, 0, forked);
     fallback = blas;
     kernel = best_kernel(isa);
     pool.workers = threads > MAX_THREADS ? MAX_THREADS - 1 : threads - 1;
@@ -257,6 +280,8 @@ int skinny_init(sgemm_fn blas, int threads, const char *isa, long spin_us) {
 void skinny_set_threads(int threads) {
     pool.workers = threads > MAX_THREADS ? MAX_THREADS - 1 : threads - 1;
 }
+
+int skinny_threads(void) { return pool.workers + 1; }
 
 void skinny_set_limits(int rows, long weight) {
     max_rows = rows;
