@@ -27,6 +27,7 @@ import os
 import platform
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from mlx_grpo._paths import cache_root
@@ -147,6 +148,15 @@ class Front:
 
     def threads(self) -> int:
         return self.lib.skinny_threads()
+
+    @contextmanager
+    def bypassed(self):
+        """Inside this block every call goes to the BLAS (for side-by-side timings)."""
+        self.lib.skinny_set_limits(0, ctypes.c_long(MIN_WEIGHT))
+        try:
+            yield
+        finally:
+            self.lib.skinny_set_limits(MAX_ROWS, ctypes.c_long(MIN_WEIGHT))
 
     def counts(self) -> tuple[int, int]:
         """(products it computed, calls it passed on to the BLAS) so far."""

@@ -1,6 +1,7 @@
 """The vocabulary-wide ops of a step, each alone at the work unit's shapes.
 
     python -m mlx_grpo.bench.ops [--rows 16] [--vocab 49152] [--reps 20] [--context 1024]
+                                 [--skinny-rows 1,4,8,16,32]
 
 Times `mx.exp`, `fastmath.exp` and NumPy's exp, the two categorical samplers and
 `mx.logsumexp` over a [rows, vocab] float32 array (16 rows: one decode step of B=2 x
@@ -8,7 +9,9 @@ G=8), and the best of `--reps` runs of each, with its ratio to `mx.exp`. It show
 the elementwise column of `make bench`'s profile is made of on this machine. Then one
 layer's causal attention over `--context` tokens (the embedded model's 9 query and 3
 key heads of 64), forward and with its gradient: MLX's
-`mx.fast.scaled_dot_product_attention` and `fastmath.attention`.
+`mx.fast.scaled_dot_product_attention` and `fastmath.attention`. Last, the linear layers of
+a decode step at `--skinny-rows` rows through the skinny-GEMM front (`mlx_grpo._skinny`)
+and through the BLAS alone, where the front is in use.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo import fastmath
+from mlx_grpo import _blas, fastmath
 from mlx_grpo.bench.floor import _best
 
 
@@ -61,12 +64,43 @@ def attention_times(context: int, reps: int) -> dict[str, float]:
     return out
 
 
+# One layer of the embedded model (SmolLM2-135M) as (out, in): q, k, v, o, gate, up, down.
+LAYER = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+
+
+def skinny_times(rows: list[int], reps: int, layers: int = 30) -> dict[int, tuple[float, float]]:
+    """{rows: (front s, BLAS s)}: the best of `reps` runs of every linear layer's product
+    in a decode step of the embedded model (`layers` x LAYER and the [49152, 576] output
+    head, each weight its own array, so read from memory as in decode) at each row count,
+    through the skinny-GEMM front and with every call sent to the BLAS; {} without a
+    front."""
+    front = _blas._state["front"]
+    if front is None:
+        return {}
+    weights = [mx.random.normal(shape) * 0.02 for _ in range(layers) for shape in LAYER]
+    weights.append(mx.random.normal((49152, 576)) * 0.02)
+    mx.eval(weights)
+    out = {}
+    for m in rows:
+        xs = {k: mx.random.normal((m, k)) for k in (576, 1536)}
+        mx.eval(xs)
+
+        def step(xs=xs):
+            mx.eval([xs[w.shape[1]] @ w.T for w in weights])
+
+        with front.bypassed():
+            blas = _best(step, reps)
+        out[m] = (_best(step, reps), blas)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--context", type=int, default=1024, help="attention's tokens (0: skip)")
+    p.add_argument("--skinny-rows", default="1,4,8,16,32", help="decode GEMM row counts ('': skip)")
     args = p.parse_args(argv)
     times = op_times(args.rows, args.vocab, args.reps)
     base = times["mx.exp"]
@@ -78,6 +112,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"causal attention, [1, 9, {args.context}, 64] on 3 key heads, best of 3")
         for name, t in attention_times(args.context, 3).items():
             print(f"{name:<32}{t * 1e3:>8.1f} ms")
+    rows = [int(r) for r in args.skinny_rows.split(",") if r.strip()]
+    if rows and (times := skinny_times(rows, 5)):
+        print(
+            f"a decode step's linear layers (embedded model, 211 products), best of 5: "
+            f"{_blas.blas_in_use()}"
+        )
+        print(f"{'rows':>6}{'front ms':>10}{'BLAS ms':>10}{'x BLAS':>8}")
+        for m, (front, blas) in times.items():
+            print(f"{m:>6}{front * 1e3:>10.1f}{blas * 1e3:>10.1f}{front / blas:>8.2f}")
 
 
 if __name__ == "__main__":
