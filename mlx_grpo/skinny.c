@@ -51,12 +51,6 @@ static atomic_long fast_calls, forwarded_calls;
 #define RB 4 /* rows of x per block */
 #define OB 4 /* rows of W per block */
 
-/* The next block's W rows, on their way into cache while this block computes. */
-static inline void prefetch_rows(const product *p, int o) {
-    for (int j = 0; j < OB; j++)
-        for (int k = 0; k < p->k; k += 16) _mm_prefetch((const char *)(p->w + (o + j) * p->ldb + k), _MM_HINT_T0);
-}
-
 __attribute__((target("avx512f"), always_inline)) static inline void block512(
     const product *p, int r0, int rb, int o, int ob) {
     __m512 acc[RB][OB];
@@ -66,6 +60,8 @@ __attribute__((target("avx512f"), always_inline)) static inline void block512(
     int k = 0;
     for (; k + 16 <= p->k; k += 16) {
         __m512 wv[OB];
+        if (r0 == 0)  /* the next block's W rows, a cache line at a time */
+            for (int j = 0; j < OB; j++) _mm_prefetch((const char *)(w + (OB + j) * p->ldb + k), _MM_HINT_T0);
         for (int j = 0; j < ob; j++) wv[j] = _mm512_loadu_ps(w + j * p->ldb + k);
         for (int i = 0; i < rb; i++) {
             __m512 xv = _mm512_loadu_ps(x + i * p->lda + k);
@@ -88,7 +84,6 @@ __attribute__((target("avx512f"), always_inline)) static inline void block512(
 __attribute__((target("avx512f"))) static void kernel512(const product *p, int o0, int o1) {
     int o = o0;
     for (; o + OB <= o1; o += OB) {
-        if (o + 2 * OB <= o1) prefetch_rows(p, o + OB);
         int r = 0;
         for (; r + RB <= p->m; r += RB) block512(p, r, RB, o, OB);
         if (r < p->m) block512(p, r, p->m - r, o, OB);
@@ -116,6 +111,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block256(
     int k = 0;
     for (; k + 8 <= p->k; k += 8) {
         __m256 wv[OB];
+        if (r0 == 0 && !(k & 15))  /* the next block's W rows, a cache line at a time */
+            for (int j = 0; j < OB; j++) _mm_prefetch((const char *)(w + (OB + j) * p->ldb + k), _MM_HINT_T0);
         for (int j = 0; j < ob; j++) wv[j] = _mm256_loadu_ps(w + j * p->ldb + k);
         for (int i = 0; i < rb; i++) {
             __m256 xv = _mm256_loadu_ps(x + i * p->lda + k);
@@ -138,7 +135,6 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block256(
 __attribute__((target("avx2,fma"))) static void kernel256(const product *p, int o0, int o1) {
     int o = o0;
     for (; o + OB <= o1; o += OB) {
-        if (o + 2 * OB <= o1) prefetch_rows(p, o + OB);
         int r = 0;
         for (; r + RB <= p->m; r += RB) block256(p, r, RB, o, OB);
         if (r < p->m) block256(p, r, p->m - r, o, OB);
