@@ -132,6 +132,39 @@ def test_a_runner_cut_off_by_its_limit_reports_its_finished_steps(tmp_path, monk
     assert "still going" in text and text.count(wu.STEP_TAG) == 2
 
 
+def test_the_peers_run_on_the_same_blas_without_the_front_unless_asked(tmp_path, monkeypatch):
+    """mlx-lm-lora's products go to the BLAS mlx-grpo chose, not through mlx-grpo's own
+    skinny-GEMM front, unless --peer-front; the report names each system's BLAS."""
+    from mlx_grpo._blas import blas_in_use
+    from mlx_grpo.bench import speed
+
+    (tmp_path / "blas_runner.py").write_text(
+        "import json\n"
+        "from mlx_grpo.bench import work_unit as wu\n"
+        "import mlx.core as mx\n"
+        "from mlx_grpo._blas import blas_in_use\n"
+        "print(wu.RESULT_TAG + json.dumps({'blas': blas_in_use()}), flush=True)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv("MLX_GRPO_SKINNY", raising=False)
+    ours = blas_in_use()
+    runs = {
+        front: speed.run_runner(
+            sys.executable, "blas_runner", [], 120, tmp_path / f"{front}.log", front=front
+        )
+        for front in (False, True)
+    }
+    # The same library (a child names it "custom": it gets the path, not the search)...
+    library = ours.split(" (")[0]
+    assert runs[True]["blas"].startswith(library) and runs[False]["blas"].startswith(library)
+    # ... with the front where this process has it, and never with front=False.
+    front = " + skinny-GEMM front"
+    assert (front in runs[True]["blas"]) == (front in ours)
+    assert front not in runs[False]["blas"]
+    report = {"systems": {"mlx-grpo": {"blas": ours}, "trl": {}, "mlx-lm-lora": runs[False]}}
+    assert speed.blas_line(report) == f"mlx-grpo: {ours}; mlx-lm-lora: {runs[False]['blas']}"
+
+
 def test_the_ratio_column_is_mlx_grpo_step_over_each_system_and_empty_when_it_failed():
     from mlx_grpo.bench.speed import tables
 

@@ -13,7 +13,9 @@ scale 10 on every linear layer, beta 0.04, lr 1e-5, loss `grpo`, one update per 
 
 Each system runs in its own process (the peers in their own virtual environments,
 created on first use: .venv-bench-trl, .venv-bench-mlxlmlora) and prints its per-step
-times. Reported per system: median step time without the first step, rollout time and
+times. mlx-lm-lora runs on the BLAS that mlx-grpo chose, without mlx-grpo's skinny-GEMM
+front (mlx_grpo/skinny.c), which is mlx-grpo's and not the BLAS's; `--peer-front` gives
+it the front too. Reported per system: median step time without the first step, rollout time and
 tokens/s, the rest of the step ("update": reference and policy passes, optimizer,
 scoring), the time from process start to the end of the first step, and peak RSS.
 Then mlx-grpo's step against the floor (GEMM rate and memory bandwidth measured in
@@ -128,10 +130,12 @@ def ensure_base_export() -> Path:
     return BASE_DIR
 
 
-def _env() -> dict:
+def _env(front: bool = True) -> dict:
     from mlx_grpo._blas import _state
 
     env = dict(os.environ)
+    if not front:
+        env["MLX_GRPO_SKINNY"] = "0"  # the BLAS alone, as MLX would call it
     # Every MLX system runs on the BLAS this process chose (peers' venvs hold other wheels)
     if (blas := _state["blas"]) is not None:
         env["MLX_GRPO_OPENBLAS"] = blas.path or "builtin"
@@ -140,8 +144,12 @@ def _env() -> dict:
     return env
 
 
-def run_runner(python: str, module: str, args: list[str], timeout: float, log: Path) -> dict:
-    """Run one system's runner in a fresh process; its tagged JSON line is the result."""
+def run_runner(
+    python: str, module: str, args: list[str], timeout: float, log: Path, front: bool = True
+) -> dict:
+    """Run one system's runner in a fresh process; its tagged JSON line is the result.
+    `front`: MLX's products may go through mlx-grpo's skinny-GEMM front (where it is in
+    use), else straight to the BLAS."""
     t0 = time.time()
     cmd = [str(python), "-m", module, "--t0", repr(t0), *args]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +159,7 @@ def run_runner(python: str, module: str, args: list[str], timeout: float, log: P
 
     try:
         r = subprocess.run(
-            cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
+            cmd, capture_output=True, text=True, cwd=ROOT, env=_env(front), timeout=timeout
         )
     except subprocess.TimeoutExpired as e:
         # What the runner printed before it was stopped: its finished steps' records.
@@ -399,11 +407,19 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     return out
 
 
+def blas_line(report: dict) -> str:
+    """Which BLAS each MLX system's products went to ('' where none says)."""
+    used = [f"{n}: {r['blas']}" for n, r in report["systems"].items() if r.get("blas")]
+    return "; ".join(used)
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"Machine: {report['machine']}. Command: `{report['command']}` ({report['date']}).",
         "",
     ]
+    if blas := blas_line(report):
+        lines += [f"BLAS: {blas}.", ""]
     for title, header, rows in tables(report):
         lines += [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -417,6 +433,8 @@ def print_tables(report: dict) -> None:
 
     console = Console(width=max(Console().width, 140))
     console.print(f"[bold]machine[/bold]: {report['machine']}")
+    if blas := blas_line(report):
+        console.print(f"[bold]BLAS[/bold]: {blas}")
     for title, header, rows in tables(report):
         t = Table(title=title, title_justify="left")
         for h in header:
@@ -441,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="results folder (default ./bench/results)"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per system run")
+    p.add_argument(
+        "--peer-front",
+        action="store_true",
+        help="run mlx-lm-lora on mlx-grpo's skinny-GEMM front too (default: the same BLAS alone)",
+    )
     args = p.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
@@ -496,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                     ["--steps", str(args.steps), "--model", str(base)],
                     args.timeout,
                     logs / f"{name}.log",
+                    front=args.peer_front,
                 )
             res["summary"] = summarize(res)
             say(f"{name}: step {res['summary']['step_s']:.1f} s")
