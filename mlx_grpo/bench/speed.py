@@ -15,9 +15,10 @@ Each system runs in its own process (the peers in their own virtual environments
 created on first use: .venv-bench-trl, .venv-bench-mlxlmlora) and prints its per-step
 times. mlx-lm-lora runs on the BLAS that mlx-grpo chose, without mlx-grpo's skinny-GEMM
 front (mlx_grpo/skinny.c), which is mlx-grpo's and not the BLAS's; `--peer-front` gives
-it the front too. Reported per system: median step time without the first step, rollout time and
-tokens/s, the rest of the step ("update": reference and policy passes, optimizer,
-scoring), the time from process start to the end of the first step, and peak RSS.
+it the front too. Reported per system: median step time without the first step,
+rollout time and tokens/s, the rest of the step ("update": reference and policy passes,
+optimizer, scoring), the time from process start to the end of the first step, and peak
+RSS.
 Then mlx-grpo's step against the floor (GEMM rate and memory bandwidth measured in
 the same run; mlx_grpo/bench/floor.py), split by phase and op class, and
 mlx-grpo's scaling in G and new tokens. Results go to bench/results/<date>.json
