@@ -6,9 +6,9 @@ MKL and BLIS, README "How fast") packs each weight into a buffer before it multi
 which at 16 rows reads it at about half the memory bandwidth. The front is a small C
 library that defines `cblas_sgemm`: MLX resolves its BLAS calls to the first library
 loaded globally, so loaded before the BLAS it sees every GEMM. Row-major x W^T products
-of at most `MAX_ROWS` rows (32 with AVX-512, 16 with AVX2) it computes as dot products,
-streaming each W row once against every x row (a software prefetch a block ahead), on
-the BLAS's thread count; every other call goes on to the BLAS.
+of at most `MAX_ROWS` rows (32) it computes as dot products, streaming each W row once
+against every x row (a software prefetch a block ahead), on the BLAS's thread count;
+every other call goes on to the BLAS.
 
 It is built once per machine from its source with the system C compiler (as
 scipy-openblas32's shim is), checked in a child process against numpy in float64 (as
@@ -35,9 +35,9 @@ from mlx_grpo._paths import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.c")
 # The most rows a product may have to be computed here, by kernel width (floats): up to
-# these it beat OpenBLAS's SkylakeX kernels on a decode step's products (README "Which
-# BLAS"; `python -m mlx_grpo.bench.ops`).
-MAX_ROWS = {16: 32, 8: 16}
+# these it beat OpenBLAS's SkylakeX (AVX-512) and Zen (AVX2) kernels on a decode step's
+# products (README "Which BLAS"; `python -m mlx_grpo.bench.ops`).
+MAX_ROWS = {16: 32, 8: 32}
 MIN_WEIGHT = 65536  # N x K below this: the BLAS's own small-matrix path is as fast
 SPIN_US = 200  # how long an idle pool thread waits awake for the next product
 PROBE_TIMEOUT_S = 120
