@@ -7,8 +7,11 @@ which at 16 rows reads it at about half the memory bandwidth. The front is a sma
 library that defines `cblas_sgemm`: MLX resolves its BLAS calls to the first library
 loaded globally, so loaded before the BLAS it sees every GEMM. Row-major x W^T products
 of at most `MAX_ROWS` rows (32) it computes as dot products, streaming each W row once
-against every x row (a software prefetch a block ahead), on the BLAS's thread count;
-every other call goes on to the BLAS.
+against every x row (a software prefetch a block ahead), on the BLAS's thread count.
+Small products of as few rows (x W^T or x W with N x K below `MIN_WEIGHT`, such as
+decode attention's per-head products, 2,880 of them a step) it computes on the calling
+thread, where OpenBLAS takes longer to set each call up than to compute it. Every other
+call goes on to the BLAS.
 
 It is built once per machine from its source with the system C compiler (as
 scipy-openblas32's shim is), checked in a child process against numpy in float64 (as
@@ -38,7 +41,8 @@ SOURCE = Path(__file__).with_name("skinny.c")
 # these it beat OpenBLAS's SkylakeX (AVX-512) and Zen (AVX2) kernels on a decode step's
 # products (README "Which BLAS"; `python -m mlx_grpo.bench.ops`).
 MAX_ROWS = {16: 32, 8: 32}
-MIN_WEIGHT = 65536  # N x K below this: the BLAS's own small-matrix path is as fast
+MIN_WEIGHT = 65536  # N x K below this: the pool's hand-off costs more than it saves
+MAX_DIRECT = 1 << 20  # M x N x K at most, below MIN_WEIGHT: on the calling thread alone
 SPIN_US = 200  # how long an idle pool thread waits awake for the next product
 PROBE_TIMEOUT_S = 120
 
@@ -60,14 +64,18 @@ import numpy as np
 mx.set_default_device(mx.cpu)
 rng = np.random.default_rng(0)
 failed = []
-for m, k, n in ((1, 576, 1536), (16, 1536, 576), (7, 67, 1029), (32, 576, 193), (3, 200, 401)):
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    got = np.array(mx.array(x) @ mx.array(w).T)
-    want = x.astype(np.float64) @ w.astype(np.float64).T
-    bound = k * 2.0**-24 * (np.abs(x) @ np.abs(w).T) + 1e-30
-    if not np.all(np.abs(got - want) <= bound):  # also catches NaN
-        failed.append(f"{m}x{k}x{n}: error {np.max(np.abs(got - want) / bound):.2f}x its bound")
+shapes = ((1, 576, 1536), (16, 1536, 576), (7, 67, 1029), (32, 576, 193), (3, 200, 401),
+          (3, 64, 160), (5, 13, 7))
+for transposed in (True, False):
+    for m, k, n in shapes if transposed else ((3, 160, 64), (6, 67, 29), (1, 5, 200), (4, 9, 16)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        got = np.array(mx.array(x) @ (mx.array(w).T if transposed else mx.array(w.T.copy())))
+        want = x.astype(np.float64) @ w.astype(np.float64).T
+        bound = k * 2.0**-24 * (np.abs(x) @ np.abs(w).T) + 1e-30
+        if not np.all(np.abs(got - want) <= bound):  # also catches NaN
+            error = np.max(np.abs(got - want) / bound)
+            failed.append(f"{m}x{k}x{n}{'' if transposed else ' (x W)'}: error {error:.2f}x its bound")
 fast, fwd = ctypes.c_long(), ctypes.c_long()
 f.skinny_counts(ctypes.byref(fast), ctypes.byref(fwd))
 print(json.dumps({"width": width, "fast": fast.value, "failed": failed}))
@@ -144,7 +152,7 @@ class Front:
     def __init__(self, lib: ctypes.CDLL, width: int):
         self.lib, self.width = lib, width
         self.max_rows = MAX_ROWS[width]
-        lib.skinny_set_limits(self.max_rows, ctypes.c_long(MIN_WEIGHT))
+        self.limits(self.max_rows, MAX_DIRECT)
 
     def describe(self) -> str:
         return f"skinny-GEMM front ({'AVX-512' if self.width == 16 else 'AVX2'})"
@@ -158,11 +166,16 @@ class Front:
     @contextmanager
     def bypassed(self):
         """Inside this block every call goes to the BLAS (for side-by-side timings)."""
-        self.lib.skinny_set_limits(0, ctypes.c_long(MIN_WEIGHT))
+        self.limits(0, 0)
         try:
             yield
         finally:
-            self.lib.skinny_set_limits(self.max_rows, ctypes.c_long(MIN_WEIGHT))
+            self.limits(self.max_rows, MAX_DIRECT)
+
+    def limits(self, rows: int, direct: int) -> None:
+        """Take products of at most `rows` rows, and small ones of at most `direct`
+        multiply-adds on the calling thread (0: none; see skinny.c)."""
+        self.lib.skinny_set_limits(rows, ctypes.c_long(MIN_WEIGHT), ctypes.c_long(direct))
 
     def counts(self) -> tuple[int, int]:
         """(products it computed, calls it passed on to the BLAS) so far."""

@@ -7,9 +7,15 @@
  * row of x (which stays in cache), the output columns shared between this thread and the
  * pool's. Any other call goes to the BLAS whose cblas_sgemm `skinny_init` was given.
  *
+ * Small products of a few rows (N * K below `min_weight`, as decode's attention makes: a
+ * [rows, 64] x [64, keys] score product and a [rows, keys] x [keys, 64] weighted sum per
+ * batch row and key head) run on the calling thread alone, x W^T with the same kernel and
+ * x W with `nn256`: OpenBLAS spends longer setting such a call up than computing it.
+ *
  * Each y[r][o] is summed in one order, whatever M, the split between threads or the
  * blocking: a vector of partial sums over k in steps of the vector width, then the sum of
- * its lanes. A row's result therefore does not depend on which other rows share its call.
+ * its lanes (x W: over k in order). A row's result therefore does not depend on which
+ * other rows share its call.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -43,7 +49,8 @@ static sgemm_fn fallback;
 static kernel_fn kernel;
 static int kernel_ob = 4; /* W rows per block of `kernel`: thread ranges are multiples of it */
 static int max_rows = 32;
-static long min_weight = 65536;  /* N * K below this: the BLAS's own small-matrix path */
+static long min_weight = 65536;  /* N * K below this: no pool (on the calling thread) */
+static long max_direct = 1L << 20; /* M * N * K above this, without the pool: the BLAS */
 static atomic_long fast_calls, forwarded_calls;
 
 /* ---------------------------------------------------------------- kernels (x86-64) */
@@ -160,6 +167,47 @@ __attribute__((target("avx2,fma"))) static void kernel256(const product *p, int 
         int r = 0;
         for (; r + RB2 <= p->m; r += RB2) block256(p, r, RB2, o, 1);
         if (r < p->m) block256(p, r, p->m - r, o, 1);
+    }
+}
+
+/* y = x W, W row-major [k, n] (NoTrans x NoTrans), for small products on one thread: rows
+ * in fours (a block of fewer repeats its first row, not stored), 16 columns at a time, the
+ * last ones masked. Each y[r][o] is summed over k in order. */
+__attribute__((target("avx2,fma"))) static void nn256(const product *p, int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r0 = 0; r0 < p->m; r0 += 4) {
+        int rb = p->m - r0 < 4 ? p->m - r0 : 4;
+        const float *xs[4];
+        for (int r = 0; r < 4; r++) xs[r] = p->x + (r < rb ? r0 + r : r0) * p->lda;
+        for (int o = 0; o < n; o += 16) {
+            __m256 acc[4][2];
+            for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+            __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - o), lanes);
+            __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - o - 8), lanes);
+            const float *w = p->w + o;
+            if (o + 16 <= n)
+                for (int k = 0; k < p->k; k++, w += p->ldb) {
+                    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+                    for (int r = 0; r < 4; r++) {
+                        __m256 xv = _mm256_broadcast_ss(xs[r] + k);
+                        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+                    }
+                }
+            else
+                for (int k = 0; k < p->k; k++, w += p->ldb) {
+                    __m256 w0 = _mm256_maskload_ps(w, m0), w1 = _mm256_maskload_ps(w + 8, m1);
+                    for (int r = 0; r < 4; r++) {
+                        __m256 xv = _mm256_broadcast_ss(xs[r] + k);
+                        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+                    }
+                }
+            for (int r = 0; r < rb; r++) {
+                _mm256_maskstore_ps(p->y + (r0 + r) * p->ldc + o, m0, acc[r][0]);
+                _mm256_maskstore_ps(p->y + (r0 + r) * p->ldc + o + 8, m1, acc[r][1]);
+            }
+        }
     }
 }
 
@@ -297,9 +345,12 @@ void skinny_set_threads(int threads) {
 
 int skinny_threads(void) { return pool.workers + 1; }
 
-void skinny_set_limits(int rows, long weight) {
+/* The most rows it takes, the smallest N * K it runs on the pool, and the most M * N * K
+ * it runs on the calling thread when N * K is smaller (0: those go to the BLAS). */
+void skinny_set_limits(int rows, long weight, long direct) {
     max_rows = rows;
     min_weight = weight;
+    max_direct = direct;
 }
 
 /* Calls streamed and calls forwarded so far. */
@@ -310,12 +361,26 @@ void skinny_counts(long *fast, long *forwarded) {
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-    if (kernel && fallback && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && alpha == 1.0f &&
-        beta == 0.0f && m >= 1 && m <= max_rows && k >= 1 && (long)n * k >= min_weight) {
+    if (kernel && fallback && order == ROW_MAJOR && trans_a == NO_TRANS && alpha == 1.0f && beta == 0.0f &&
+        m >= 1 && m <= max_rows && n >= 1 && k >= 1) {
         product p = {a, b, c, lda, ldb, ldc, m, k};
-        atomic_fetch_add(&fast_calls, 1);
-        run(&p, n);
-        return;
+        long weight = (long)n * k;
+        if (trans_b == TRANS && weight >= min_weight) {
+            atomic_fetch_add(&fast_calls, 1);
+            run(&p, n);
+            return;
+        }
+        if (weight < min_weight && m * weight <= max_direct && (trans_b == TRANS || trans_b == NO_TRANS)) {
+            atomic_fetch_add(&fast_calls, 1);
+#if defined(__x86_64__)
+            if (trans_b == NO_TRANS) {
+                nn256(&p, n);
+                return;
+            }
+#endif
+            kernel(&p, 0, n);
+            return;
+        }
     }
     atomic_fetch_add(&forwarded_calls, 1);
     if (!fallback) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm"); /* never started */

@@ -77,9 +77,39 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call():
 
 
 @needs_front
+@pytest.mark.parametrize("m", [1, 3, 4, 6, 9, 32])
+@pytest.mark.parametrize("k,n", [(64, 160), (160, 64), (64, 511), (5, 7), (1, 17), (250, 33)])
+@pytest.mark.parametrize("transposed", [True, False], ids=["x W^T", "x W"])
+def test_small_products_run_on_the_calling_thread_within_float32_rounding(m, k, n, transposed):
+    """Decode's attention products ([rows, 64] x [64, keys] and [rows, keys] x [keys, 64]
+    per batch row and key head), with W stored [n, k] (x W^T) or [k, n] (x W): computed
+    by the front, tails of rows and columns included."""
+    assert m * k * n <= _skinny.MAX_DIRECT
+    rng = np.random.default_rng(m * 100 + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    before = FRONT.counts()
+    got = np.array(mx.array(x) @ (mx.array(w).T if transposed else mx.array(w.T.copy())))
+    assert FRONT.counts() == (before[0] + 1, before[1])
+    assert within_rounding(got, x, w).all()
+
+
+@needs_front
+def test_a_row_of_a_small_product_gets_the_same_bits_whatever_rows_share_its_call():
+    """x W as x W^T: rows in fours (and the rest), each output summed over k in order."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, 160)).astype(np.float32)
+    w = mx.array(rng.standard_normal((160, 61)).astype(np.float32))
+    alone = np.concatenate([np.array(mx.array(x[i : i + 1]) @ w) for i in range(9)])
+    for m in (2, 3, 5, 9):
+        assert np.array_equal(np.array(mx.array(x[:m]) @ w), alone[:m]), m
+
+
+@needs_front
 def test_every_other_call_reaches_the_blas():
-    """More rows than the front takes, a transposed x, a weight too small to gain from it,
-    and x W^T + C (beta 1): forwarded, with the BLAS's correct results."""
+    """More rows than the front takes, a transposed x, a small product with more work
+    than one thread should do, x W with a large W, and x W^T + C (beta 1): forwarded,
+    with the BLAS's correct results."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((600, 576)).astype(np.float32)
     cases = {
@@ -91,10 +121,15 @@ def test_every_other_call_reaches_the_blas():
         got = np.array(mx.array(x) @ mx.array(w).T)
         assert FRONT.counts() == (fast, fwd + 1), name
         assert within_rounding(got, x, w).all(), name
-    x, small = rng.standard_normal((4, 64)).astype(np.float32), w[:16, :64]
+    x, small = rng.standard_normal((32, 64)).astype(np.float32), w[:, :64]  # N K < 65536
+    assert 32 * small.size > _skinny.MAX_DIRECT
     fast, fwd = FRONT.counts()
     got = np.array(mx.array(x) @ mx.array(small).T)
     assert FRONT.counts() == (fast, fwd + 1) and within_rounding(got, x, small).all()
+    x = rng.standard_normal((4, 600)).astype(np.float32)
+    fast, fwd = FRONT.counts()
+    got = np.array(mx.array(x) @ mx.array(w))  # x W, W [600, 576]
+    assert FRONT.counts() == (fast, fwd + 1) and within_rounding(got, x, w.T).all()
     c = rng.standard_normal((4, 600)).astype(np.float32)
     x = rng.standard_normal((4, 576)).astype(np.float32)
     fast, fwd = FRONT.counts()
