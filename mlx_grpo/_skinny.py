@@ -37,10 +37,10 @@ from pathlib import Path
 from mlx_grpo._paths import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.c")
-# The most rows a product may have to be computed here, by kernel width (floats): up to
-# these it beat OpenBLAS's SkylakeX (AVX-512) and Zen (AVX2) kernels on a decode step's
+# The most rows a product may have to be computed here, with either kernel: up to these
+# it beat OpenBLAS's SkylakeX (AVX-512) and Zen (AVX2) kernels on a decode step's
 # products (README "Which BLAS"; `python -m mlx_grpo.bench.ops`).
-MAX_ROWS = {16: 32, 8: 32}
+MAX_ROWS = 32
 MIN_WEIGHT = 65536  # N x K below this: the pool's hand-off costs more than it saves
 MAX_DIRECT = 1 << 20  # M x N x K at most, below MIN_WEIGHT: on the calling thread alone
 SPIN_US = 200  # how long an idle pool thread waits awake for the next product
@@ -151,7 +151,7 @@ class Front:
 
     def __init__(self, lib: ctypes.CDLL, width: int):
         self.lib, self.width = lib, width
-        self.max_rows = MAX_ROWS[width]
+        self.max_rows = MAX_ROWS
         self.limits(self.max_rows, MAX_DIRECT)
 
     def describe(self) -> str:

@@ -365,20 +365,18 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         m >= 1 && m <= max_rows && n >= 1 && k >= 1) {
         product p = {a, b, c, lda, ldb, ldc, m, k};
         long weight = (long)n * k;
-        if (trans_b == TRANS && weight >= min_weight) {
+        int pooled = trans_b == TRANS && weight >= min_weight;
+        int direct = (trans_b == TRANS || trans_b == NO_TRANS) && weight < min_weight && m * weight <= max_direct;
+        if (pooled || direct) {
             atomic_fetch_add(&fast_calls, 1);
-            run(&p, n);
-            return;
-        }
-        if (weight < min_weight && m * weight <= max_direct && (trans_b == TRANS || trans_b == NO_TRANS)) {
-            atomic_fetch_add(&fast_calls, 1);
+            if (pooled)
+                run(&p, n);
 #if defined(__x86_64__)
-            if (trans_b == NO_TRANS) {
+            else if (trans_b == NO_TRANS)
                 nn256(&p, n);
-                return;
-            }
 #endif
-            kernel(&p, 0, n);
+            else
+                kernel(&p, 0, n);
             return;
         }
     }
