@@ -6,7 +6,7 @@ MKL and BLIS, README "How fast") packs each weight into a buffer before it multi
 which at 16 rows reads it at about half the memory bandwidth. The front is a small C
 library that defines `cblas_sgemm`: MLX resolves its BLAS calls to the first library
 loaded globally, so loaded before the BLAS it sees every GEMM. Row-major x W^T products
-of at most `MAX_ROWS` rows (32) it computes as dot products, streaming each W row once
+of at most `MAX_ROWS` rows (32 with AVX-512, 64 with AVX2) it computes as dot products, streaming each W row once
 against every x row (a software prefetch a block ahead), on the BLAS's thread count.
 Small products of as few rows (x W^T or x W with N x K below `MIN_WEIGHT`, such as
 decode attention's per-head products, 2,880 of them a step) it computes on the calling
@@ -37,10 +37,12 @@ from pathlib import Path
 from mlx_grpo._paths import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.c")
-# The most rows a product may have to be computed here, with either kernel: up to these
-# it beat OpenBLAS's SkylakeX (AVX-512) and Zen (AVX2) kernels on a decode step's
-# products (README "Which BLAS"; `python -m mlx_grpo.bench.ops`).
-MAX_ROWS = 32
+# The most rows a product may have to be computed here, by the kernel's vector width:
+# up to these it beat OpenBLAS's SkylakeX (AVX-512, 16 floats) and Zen (AVX2, 8) kernels
+# on a decode step's products (README "Which BLAS"; `python -m mlx_grpo.bench.ops`). On
+# a Zen 3, OpenBLAS is slow from 33 rows to about 64 (a prompt's prefill): at 45 rows
+# the front takes 66 ms against 112; at 96 rows the two are even.
+MAX_ROWS = {16: 32, 8: 64}
 MIN_WEIGHT = 65536  # N x K below this: the pool's hand-off costs more than it saves
 MAX_DIRECT = 1 << 20  # M x N x K at most, below MIN_WEIGHT: on the calling thread alone
 SPIN_US = 200  # how long an idle pool thread waits awake for the next product
@@ -53,19 +55,22 @@ PROBE_TIMEOUT_S = 120
 PROBE = r"""
 import ctypes, json, os, sys
 front, blas, threads, isa = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+max_rows, min_weight, max_direct = json.loads(sys.argv[5])
 f = ctypes.CDLL(front, mode=os.RTLD_GLOBAL)
 b = ctypes.CDLL(blas, mode=os.RTLD_GLOBAL)
 f.skinny_init.restype = ctypes.c_int
 width = f.skinny_init(ctypes.cast(b.cblas_sgemm, ctypes.c_void_p), threads, isa.encode(),
                       ctypes.c_long(0))
+rows = max_rows.get(str(width), 0)
+f.skinny_set_limits(rows, ctypes.c_long(min_weight), ctypes.c_long(max_direct))
 import mlx.core as mx
 import numpy as np
 
 mx.set_default_device(mx.cpu)
 rng = np.random.default_rng(0)
 failed = []
-shapes = ((1, 576, 1536), (16, 1536, 576), (7, 67, 1029), (32, 576, 193), (3, 200, 401),
-          (3, 64, 160), (5, 13, 7))
+shapes = ((1, 576, 1536), (16, 1536, 576), (7, 67, 1029), (rows, 576, 193),
+          (max(rows - 19, 1), 200, 401), (3, 64, 160), (5, 13, 7))
 for transposed in (True, False):
     for m, k, n in shapes if transposed else ((3, 160, 64), (6, 67, 29), (1, 5, 200), (4, 9, 16)):
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -99,6 +104,12 @@ def build() -> tuple[Path | None, str]:
     return compile_library(SOURCE.read_text(), "skinny", ["-O3", "-pthread", "-ldl"])
 
 
+def _probe_limits() -> str:
+    """The limits the probe sets, as `Front` will: rows by vector width, MIN_WEIGHT,
+    MAX_DIRECT."""
+    return json.dumps([{str(w): r for w, r in MAX_ROWS.items()}, MIN_WEIGHT, MAX_DIRECT])
+
+
 def probe(front: Path, blas: str, threads: int, isa: str) -> dict:
     """Whether the front computes skinny products right through MLX in front of `blas`
     on this CPU, found in a child process and cached: {"ok", "reason", "width"}."""
@@ -106,7 +117,9 @@ def probe(front: Path, blas: str, threads: int, isa: str) -> dict:
 
     ids = [str(p) + f":{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (front, Path(blas))]
     key = hashlib.sha256(
-        json.dumps([PROBE, ids, _cpu_signature(), _mlx_version(), threads, isa]).encode()
+        json.dumps(
+            [PROBE, _probe_limits(), ids, _cpu_signature(), _mlx_version(), threads, isa]
+        ).encode()
     ).hexdigest()[:24]
     cached = cache_root() / "blas" / f"skinny-verdict-{key}.json"
     try:
@@ -117,7 +130,7 @@ def probe(front: Path, blas: str, threads: int, isa: str) -> dict:
         pass
     try:
         done = subprocess.run(
-            [sys.executable, "-c", PROBE, str(front), blas, str(threads), isa],
+            [sys.executable, "-c", PROBE, str(front), blas, str(threads), isa, _probe_limits()],
             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -151,7 +164,7 @@ class Front:
 
     def __init__(self, lib: ctypes.CDLL, width: int):
         self.lib, self.width = lib, width
-        self.max_rows = MAX_ROWS
+        self.max_rows = MAX_ROWS.get(width, 0)
         self.limits(self.max_rows, MAX_DIRECT)
 
     def describe(self) -> str:
