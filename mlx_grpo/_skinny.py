@@ -6,8 +6,9 @@ MKL and BLIS, README "How fast") packs each weight into a buffer before it multi
 which at 16 rows reads it at about half the memory bandwidth. The front is a small C
 library that defines `cblas_sgemm`: MLX resolves its BLAS calls to the first library
 loaded globally, so loaded before the BLAS it sees every GEMM. Row-major x W^T products
-of at most `MAX_ROWS` rows (32 with AVX-512, 64 with AVX2) it computes as dot products, streaming each W row once
-against every x row (a software prefetch a block ahead), on the BLAS's thread count.
+of at most `MAX_ROWS` rows (32 with AVX-512, 64 with AVX2) it computes as dot products,
+streaming each W row once against every x row (a software prefetch a block ahead), on
+the BLAS's thread count.
 Small products of as few rows (x W^T or x W with N x K below `MIN_WEIGHT`, such as
 decode attention's per-head products, 2,880 of them a step) it computes on the calling
 thread, where OpenBLAS takes longer to set each call up than to compute it. Every other
@@ -40,8 +41,8 @@ SOURCE = Path(__file__).with_name("skinny.c")
 # The most rows a product may have to be computed here, by the kernel's vector width:
 # up to these it beat OpenBLAS's SkylakeX (AVX-512, 16 floats) and Zen (AVX2, 8) kernels
 # on a decode step's products (README "Which BLAS"; `python -m mlx_grpo.bench.ops`). On
-# a Zen 3, OpenBLAS is slow from 33 rows to about 64 (a prompt's prefill): at 45 rows
-# the front takes 66 ms against 112; at 96 rows the two are even.
+# a Zen 3, OpenBLAS is slow from 33 rows to about 64 (a prompt's prefill): a decode
+# step's 211 products at 45 rows take 132.7 ms through the front against 210.6.
 MAX_ROWS = {16: 32, 8: 64}
 MIN_WEIGHT = 65536  # N x K below this: the pool's hand-off costs more than it saves
 MAX_DIRECT = 1 << 20  # M x N x K at most, below MIN_WEIGHT: on the calling thread alone

@@ -73,7 +73,7 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call():
     x = rng.standard_normal((rows, 576)).astype(np.float32)
     w = mx.array(rng.standard_normal((1029, 576)).astype(np.float32))
     alone = np.concatenate([np.array(mx.array(x[i : i + 1]) @ w.T) for i in range(rows)])
-    for m in sorted({2, 5, 16, 32, 45, rows} & set(range(1, rows + 1))):
+    for m in sorted(m for m in {2, 5, 16, 32, 45, rows} if m <= rows):
         together = np.array(mx.array(x[:m]) @ w.T)
         assert np.array_equal(together, alone[:m]), m
 
