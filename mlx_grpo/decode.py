@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlx_grpo import fastmath
 from mlx_grpo.logprobs import length_buckets
 
 MIN_CAPACITY = 64  # columns
@@ -82,6 +83,96 @@ class StaticCache:
         return prefix | tail | (k == q)
 
 
+def _plain_linear(m) -> bool:
+    return type(m) is nn.Linear
+
+
+def lean_applies(model: nn.Module) -> bool:
+    """Whether `lean_logits` computes this model's decode step: an mlx_lm llama, qwen2
+    or qwen3 (the fast subclasses of `models.use_fast_*` included) whose projections are
+    plain `nn.Linear`s (adapters folded, not quantized) and whose rotary embedding turns
+    the whole head as one half against the other (`traditional` off)."""
+    from mlx_lm.models import llama, qwen2, qwen3
+
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or type(getattr(inner, "embed_tokens", None)) is not nn.Embedding:
+        return False
+    if not getattr(model.args, "tie_word_embeddings", True) and not _plain_linear(
+        getattr(model, "lm_head", None)
+    ):
+        return False
+    families = (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock)
+    for layer in layers:
+        if not isinstance(layer, families) or getattr(layer, "use_sliding", False):
+            return False
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(map(_plain_linear, projections)):
+            return False
+        rope = attn.rope
+        if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != _head_dim(attn):
+            return False
+    return True
+
+
+def _head_dim(attn: nn.Module) -> int:
+    return attn.q_proj.weight.shape[0] // attn.n_heads
+
+
+def _linear(layer: nn.Linear, x: mx.array) -> mx.array:
+    y = x @ layer.weight.T
+    return y + layer.bias if "bias" in layer else y
+
+
+def lean_logits(model: nn.Module, tokens: mx.array, cache: list[StaticCache]) -> mx.array:
+    """The next-token logits ([B, V]) of `model(tokens[:, None], cache=cache)[:, -1]`
+    for a model that `lean_applies` to, written for one token a row, with fewer ops: the
+    hidden states stay [B, hidden]; the mask, and the rotary cosines and sines, are
+    made once for all layers (the latter by the layers' own rotary module, turning a
+    unit vector, so any frequencies or scaling it has are kept); the attention's
+    softmax is MLX's. Under `mx.compile` a step of the embedded 30-layer model is
+    about 1,900 primitives instead of 3,200 (MLX runs them one by one on a CPU)."""
+    inner = model.model
+    attn0 = inner.layers[0].self_attn
+    b, d = tokens.shape[0], _head_dim(attn0)
+    half = d // 2
+    unit = mx.concatenate([mx.ones((half,)), mx.zeros((half,))]).astype(mx.float32)
+    turned = attn0.rope(mx.broadcast_to(unit, (b, 1, 1, d)), offset=cache[0].offset)
+    cos, sin = turned[..., :half], turned[..., half:]  # [B, 1, 1, d/2]
+    cos2 = mx.concatenate([cos, cos], axis=-1)
+    sin2 = mx.concatenate([-sin, sin], axis=-1)
+
+    def rotate(x):  # x [B, heads, rows, d]: x cos + (the halves swapped) sin
+        swapped = x.reshape(*x.shape[:-1], 2, half)[..., ::-1, :].reshape(x.shape)
+        return x * cos2 + swapped * sin2
+
+    bias = mx.where(cache[0].make_mask(1), 0.0, -mx.inf)  # [B, 1, 1, capacity]
+    h = inner.embed_tokens(tokens)
+    for layer, c in zip(inner.layers, cache):
+        attn, mlp = layer.self_attn, layer.mlp
+        hq, hkv = attn.n_heads, attn.n_kv_heads
+        x = layer.input_layernorm(h)
+        q = _linear(attn.q_proj, x).reshape(b, hkv, hq // hkv, d)
+        k = _linear(attn.k_proj, x).reshape(b, hkv, 1, d)
+        v = _linear(attn.v_proj, x).reshape(b, hkv, 1, d)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        keys, values = c.update_and_fetch(rotate(k).astype(k.dtype), v)
+        q = rotate(q).astype(q.dtype) * attn.scale
+        scores = q @ keys.swapaxes(-1, -2) + bias
+        out = mx.softmax(scores, axis=-1, precise=True) @ values  # [B, hkv, rep, d]
+        h = h + _linear(attn.o_proj, out.reshape(b, hq * d))
+        x = layer.post_attention_layernorm(h)
+        g, u = _linear(mlp.gate_proj, x), _linear(mlp.up_proj, x)
+        h = h + _linear(mlp.down_proj, fastmath.swiglu(g, u))
+    h = inner.norm(h)
+    if getattr(model.args, "tie_word_embeddings", True):
+        return inner.embed_tokens.as_linear(h)
+    return model.lm_head(h)
+
+
 def supported(caches: list[list]) -> bool:
     """Whether every layer of every row is a plain `KVCache` (no rotating window, no
     quantized keys, no recurrent state): what `StaticCache` stands in for; and at least
@@ -100,7 +191,8 @@ class CompiledDecoder:
         self.traces = 0  # compiled shapes so far (for tests and logs)
 
     def _step(self, sampler, n_layers: int):
-        settings = sampler.settings
+        lean = lean_applies(self.model)
+        settings = (sampler.settings, lean)
         if settings not in self._steps:
             model = self.model
 
@@ -110,7 +202,10 @@ class CompiledDecoder:
                     StaticCache(kv[2 * i], kv[2 * i + 1], pos, left, prefix_end, tail_start, shift)
                     for i in range(n_layers)
                 ]
-                logits = model(tokens[:, None], cache=cache)[:, -1, :]
+                if lean:
+                    logits = lean_logits(model, tokens, cache)
+                else:
+                    logits = model(tokens[:, None], cache=cache)[:, -1, :]
                 nxt, entropy, keys = sampler.draw_logits(keys, logits)
                 nxt = nxt.astype(mx.int32)
                 out = [a for c in cache for a in (c.keys, c.values)]

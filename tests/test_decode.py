@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import assert_f32_close, tiny_additions
+from mlx.utils import tree_map
 
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import LoRAConfig, RolloutConfig
@@ -341,4 +342,89 @@ def test_greedy_evaluation_is_the_same_with_compiled_decode(tiny):
         texts[flag] = [r.texts for r in evaluate(model, tok, recipe, tasks, cfg)]
     assert texts[True] == texts[False]
     assert len({t[0] for t in texts[True]}) > 1  # the tasks' episodes differ
-    assert ("greedy",) in model._compiled_decoder._steps  # it did decode them
+    assert any(k[0] == ("greedy",) for k in model._compiled_decoder._steps)  # it decoded them
+
+
+def _family_model(family: str, **extra):
+    """A small random model of one mlx_lm family, with the fast attention and MLP the
+    loader gives (`models.use_fast_*`)."""
+    from mlx_lm.models import llama, qwen2, qwen3
+
+    from mlx_grpo.models import use_fast_attention, use_fast_swiglu
+
+    module = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}[family]
+    args = dict(
+        model_type=family,
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=97,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
+    if family == "qwen3":
+        args["head_dim"] = 16
+    mx.random.seed(7)
+    model = module.Model(module.ModelArgs(**{**args, **extra}))
+    model.update(tree_map(lambda p: 0.2 * mx.random.normal(p.shape), model.parameters()))
+    use_fast_attention(model), use_fast_swiglu(model)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize(
+    "family,extra",
+    [
+        ("llama", dict(attention_bias=True)),  # biases on every projection
+        ("llama", dict(tie_word_embeddings=True, rope_scaling={"type": "linear", "factor": 2.0})),
+        ("qwen2", {}),  # biases on q, k and v
+        ("qwen3", {}),  # q and k norms
+    ],
+)
+def test_the_lean_step_gives_what_the_model_call_gives(family, extra):
+    """`lean_logits` against mlx_lm's model call on the same static cache: rows whose
+    prefixes start at different columns and whose positions differ, the logits and the
+    written keys and values the same up to float32 rounding."""
+    from mlx_grpo.decode import StaticCache, lean_applies, lean_logits
+
+    model = _family_model(family, **extra)
+    assert lean_applies(model)
+    layers, hkv, d, cap = len(model.layers), 2, 16, 24
+    mx.random.seed(3)
+    kv = [mx.random.normal((3, hkv, cap, d)) for _ in range(2 * layers)]
+    left, width = mx.array([0, 5, 11]), 17  # each row's first column; the step writes at 17
+    tokens = mx.array([4, 50, 96])
+
+    def caches():
+        pos, zero = mx.array(width), mx.array(0)
+        return [
+            StaticCache(kv[2 * i], kv[2 * i + 1], pos, left, zero, left, left)
+            for i in range(layers)
+        ]
+
+    want_cache, got_cache = caches(), caches()
+    want = model(tokens[:, None], cache=want_cache)[:, -1, :]
+    got = lean_logits(model, tokens, got_cache)
+    # Each logit: two layers of sums of at most 96 terms, attention rows of at most
+    # `cap` keys, and the head's sum over 64.
+    additions = 2 * (96 + cap) + 64
+    assert_f32_close(got, want, additions, "logits")
+    for a, b in zip(want_cache, got_cache):
+        assert_f32_close(b.keys, a.keys, additions, "keys")
+        assert_f32_close(b.values, a.values, additions, "values")
+
+
+def test_the_lean_step_leaves_live_adapters_and_other_layers_to_the_model_call(tiny):
+    """Projections that are LoRA layers (sampling without folding) or a rotary
+    embedding of interleaved pairs: the compiled step calls the model."""
+    from mlx_grpo.decode import lean_applies
+
+    model, _ = tiny
+    assert lean_applies(model)
+    apply_lora(model, LoRAConfig(rank=4))
+    assert not lean_applies(model)
+    assert not lean_applies(_family_model("llama", rope_traditional=True))
