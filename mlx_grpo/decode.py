@@ -121,12 +121,37 @@ def _head_dim(attn: nn.Module) -> int:
     return attn.q_proj.weight.shape[0] // attn.n_heads
 
 
-def _linear(layer: nn.Linear, x: mx.array) -> mx.array:
-    y = x @ layer.weight.T
+_PROJECTIONS = (
+    ("self_attn", "q_proj"),
+    ("self_attn", "k_proj"),
+    ("self_attn", "v_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
+
+
+def lean_weights(model: nn.Module) -> list[mx.array]:
+    """The transposed weights `lean_logits` multiplies by (seven a layer, then the
+    head's), as views: made once a turn, outside the compiled step, where a `w.T` in
+    it is one more primitive for each of them at every step."""
+    inner = model.model
+    out = [
+        getattr(getattr(layer, a), n).weight.T for layer in inner.layers for a, n in _PROJECTIONS
+    ]
+    tied = getattr(model.args, "tie_word_embeddings", True)
+    return out + [(inner.embed_tokens if tied else model.lm_head).weight.T]
+
+
+def _linear(layer: nn.Linear, x: mx.array, weight_t: mx.array) -> mx.array:
+    y = x @ weight_t
     return y + layer.bias if "bias" in layer else y
 
 
-def lean_logits(model: nn.Module, tokens: mx.array, cache: list[StaticCache]) -> mx.array:
+def lean_logits(
+    model: nn.Module, tokens: mx.array, cache: list[StaticCache], weights: list[mx.array]
+) -> mx.array:
     """The next-token logits ([B, V]) of `model(tokens[:, None], cache=cache)[:, -1]`
     for a model that `lean_applies` to, written for one token a row, with fewer ops: the
     hidden states stay [B, hidden]; the mask, and the rotary cosines and sines, are
@@ -150,27 +175,28 @@ def lean_logits(model: nn.Module, tokens: mx.array, cache: list[StaticCache]) ->
 
     bias = mx.where(cache[0].make_mask(1), 0.0, -mx.inf)  # [B, 1, 1, capacity]
     h = inner.embed_tokens(tokens)
-    for layer, c in zip(inner.layers, cache):
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
         attn, mlp = layer.self_attn, layer.mlp
+        wq, wk, wv, wo, wg, wu, wd = weights[7 * i : 7 * i + 7]
         hq, hkv = attn.n_heads, attn.n_kv_heads
         x = layer.input_layernorm(h)
-        q = _linear(attn.q_proj, x).reshape(b, hkv, hq // hkv, d)
-        k = _linear(attn.k_proj, x).reshape(b, hkv, 1, d)
-        v = _linear(attn.v_proj, x).reshape(b, hkv, 1, d)
+        q = _linear(attn.q_proj, x, wq).reshape(b, hkv, hq // hkv, d)
+        k = _linear(attn.k_proj, x, wk).reshape(b, hkv, 1, d)
+        v = _linear(attn.v_proj, x, wv).reshape(b, hkv, 1, d)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         keys, values = c.update_and_fetch(rotate(k).astype(k.dtype), v)
         q = rotate(q).astype(q.dtype) * attn.scale
         scores = q @ keys.swapaxes(-1, -2) + bias
         out = mx.softmax(scores, axis=-1, precise=True) @ values  # [B, hkv, rep, d]
-        h = h + _linear(attn.o_proj, out.reshape(b, hq * d))
+        h = h + _linear(attn.o_proj, out.reshape(b, hq * d), wo)
         x = layer.post_attention_layernorm(h)
-        g, u = _linear(mlp.gate_proj, x), _linear(mlp.up_proj, x)
-        h = h + _linear(mlp.down_proj, fastmath.swiglu(g, u))
+        g, u = _linear(mlp.gate_proj, x, wg), _linear(mlp.up_proj, x, wu)
+        h = h + _linear(mlp.down_proj, fastmath.swiglu(g, u), wd)
     h = inner.norm(h)
     if getattr(model.args, "tie_word_embeddings", True):
-        return inner.embed_tokens.as_linear(h)
-    return model.lm_head(h)
+        return h @ weights[-1]
+    return _linear(model.lm_head, h, weights[-1])
 
 
 def supported(caches: list[list]) -> bool:
@@ -196,14 +222,14 @@ class CompiledDecoder:
         if settings not in self._steps:
             model = self.model
 
-            def step(tokens, keys, pos, left, prefix_end, tail_start, shift, *kv):
+            def step(tokens, keys, pos, left, prefix_end, tail_start, shift, weights, *kv):
                 self.traces += 1  # runs only while tracing
                 cache = [
                     StaticCache(kv[2 * i], kv[2 * i + 1], pos, left, prefix_end, tail_start, shift)
                     for i in range(n_layers)
                 ]
                 if lean:
-                    logits = lean_logits(model, tokens, cache)
+                    logits = lean_logits(model, tokens, cache, weights)
                 else:
                     logits = model(tokens[:, None], cache=cache)[:, -1, :]
                 nxt, entropy, keys = sampler.draw_logits(keys, logits)
@@ -325,12 +351,13 @@ class CompiledDecoder:
                 own.append(c)
             return own
 
-        nxt, ent, keys, pos, *layers = step(tokens, keys, pos, *meta, *layers)
+        weights = lean_weights(self.model) if lean_applies(self.model) else []
+        nxt, ent, keys, pos, *layers = step(tokens, keys, pos, *meta, weights, *layers)
         mx.async_eval(nxt, ent)
         while True:
             # Queue the next step (it feeds this step's tokens) before reading them.
             after, after_ent, after_keys, after_pos, *after_layers = step(
-                nxt, keys, pos, *meta, *layers
+                nxt, keys, pos, *meta, weights, *layers
             )
             layers = None  # the graph holds the last cache alone: written in place
             mx.async_eval(after, after_ent)

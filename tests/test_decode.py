@@ -389,7 +389,7 @@ def test_the_lean_step_gives_what_the_model_call_gives(family, extra):
     """`lean_logits` against mlx_lm's model call on the same static cache: rows whose
     prefixes start at different columns and whose positions differ, the logits and the
     written keys and values the same up to float32 rounding."""
-    from mlx_grpo.decode import StaticCache, lean_applies, lean_logits
+    from mlx_grpo.decode import StaticCache, lean_applies, lean_logits, lean_weights
 
     model = _family_model(family, **extra)
     assert lean_applies(model)
@@ -408,7 +408,7 @@ def test_the_lean_step_gives_what_the_model_call_gives(family, extra):
 
     want_cache, got_cache = caches(), caches()
     want = model(tokens[:, None], cache=want_cache)[:, -1, :]
-    got = lean_logits(model, tokens, got_cache)
+    got = lean_logits(model, tokens, got_cache, lean_weights(model))
     # Each logit: two layers of sums of at most 96 terms, attention rows of at most
     # `cap` keys, and the head's sum over 64.
     additions = 2 * (96 + cap) + 64
