@@ -234,11 +234,11 @@ static struct {
     pthread_mutex_t busy;            /* one product at a time; others run on their caller */
     pthread_mutex_t lock;            /* for sleeping workers */
     pthread_cond_t wake;
-    atomic_uint seq;                 /* bumped for each product */
-    atomic_int pending, sleepers;
+    _Atomic uint64_t ticket;         /* the product's number, and its chunks not yet claimed */
+    atomic_int done, sleepers;       /* chunks finished; workers asleep */
     int workers, started;
     product job;
-    int bounds[MAX_THREADS + 1];
+    int n, chunk, chunks;            /* W rows, W rows a chunk, chunks */
     long spin_ns;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
@@ -248,25 +248,44 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
+/* Chunks of product `seq` until none is left, the caller's from the front and the pool
+ * threads' from the back, so that each reads W in long runs. Each chunk is claimed by
+ * one thread, and the product cannot end before its claimed chunks are done, so its
+ * description is stable while a thread works on one. A thread that is descheduled holds
+ * up at most the chunk it has claimed; the others take the rest. */
+static void work(uint32_t seq, int front) {
+    for (;;) {
+        uint64_t t = atomic_load(&pool.ticket);
+        uint32_t lo = (uint32_t)t & 0xffff, hi = ((uint32_t)t >> 16) & 0xffff;
+        if ((uint32_t)(t >> 32) != seq || lo >= hi) return;
+        uint32_t c = front ? lo : hi - 1;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, front ? t + 1 : t - 0x10000)) continue;
+        int o0 = (int)c * pool.chunk, o1 = o0 + pool.chunk;
+        kernel(&pool.job, o0, o1 < pool.n ? o1 : pool.n);
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static inline uint32_t product_seq(void) { return (uint32_t)(atomic_load(&pool.ticket) >> 32); }
+
 static void *worker(void *arg) {
-    int me = (int)(intptr_t)arg;
-    unsigned seen = 0;
+    (void)arg;
+    uint32_t seen = 0;
     for (;;) {
         /* Spin a while (decode calls come every few tens of microseconds), then sleep. */
         long until = now_ns() + pool.spin_ns;
-        for (int n = 0; atomic_load(&pool.seq) == seen; n++) {
+        for (int n = 0; product_seq() == seen; n++) {
             PAUSE();
             if ((n & 255) == 255 && now_ns() > until) {
                 pthread_mutex_lock(&pool.lock);
                 atomic_fetch_add(&pool.sleepers, 1);
-                while (atomic_load(&pool.seq) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                while (product_seq() == seen) pthread_cond_wait(&pool.wake, &pool.lock);
                 atomic_fetch_sub(&pool.sleepers, 1);
                 pthread_mutex_unlock(&pool.lock);
             }
         }
-        seen = atomic_load(&pool.seq);
-        if (pool.bounds[me] < pool.bounds[me + 1]) kernel(&pool.job, pool.bounds[me], pool.bounds[me + 1]);
-        atomic_fetch_sub(&pool.pending, 1);
+        seen = product_seq();
+        work(seen, 0);
     }
     return 0;
 }
@@ -278,7 +297,7 @@ static int ensure_workers(int n) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool.started + 1));
+        int failed = pthread_create(&t, &attr, worker, 0);
         pthread_attr_destroy(&attr);
         if (failed) break;
         pool.started++;
@@ -286,25 +305,30 @@ static int ensure_workers(int n) {
     return pool.started < n ? pool.started : n;
 }
 
+/* Chunks a thread: enough that one descheduled thread's claimed chunk is a small part. */
+#define CHUNKS_PER_THREAD 8
+
 static void run(const product *p, int n) {
     if (pool.workers < 1 || pthread_mutex_trylock(&pool.busy) != 0) {
         kernel(p, 0, n);  /* one thread: no pool, or another stream's product holds it */
         return;
     }
-    int workers = ensure_workers(pool.workers);
-    int parts = workers + 1;
+    int parts = ensure_workers(pool.workers) + 1;
+    int blocks = (n + kernel_ob - 1) / kernel_ob, per = blocks / (parts * CHUNKS_PER_THREAD);
     pool.job = *p;
-    for (int i = 0; i <= parts; i++) pool.bounds[i] = (int)((long)n * i / parts / kernel_ob * kernel_ob);
-    pool.bounds[parts] = n;
-    atomic_store(&pool.pending, workers);
-    atomic_fetch_add(&pool.seq, 1);
+    pool.n = n;
+    pool.chunk = (per > 1 ? per : 1) * kernel_ob;
+    pool.chunks = (n + pool.chunk - 1) / pool.chunk;
+    atomic_store(&pool.done, 0);
+    uint32_t seq = product_seq() + 1;
+    atomic_store(&pool.ticket, (uint64_t)seq << 32 | (uint64_t)pool.chunks << 16);
     if (atomic_load(&pool.sleepers) > 0) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
-    if (pool.bounds[0] < pool.bounds[1]) kernel(p, pool.bounds[0], pool.bounds[1]);
-    while (atomic_load(&pool.pending) > 0) PAUSE();
+    work(seq, 1);
+    while (atomic_load(&pool.done) < pool.chunks) PAUSE();
     pthread_mutex_unlock(&pool.busy);
 }
 
@@ -313,8 +337,8 @@ static void forked(void) {
     pthread_mutex_init(&pool.busy, 0);
     pthread_mutex_init(&pool.lock, 0);
     pthread_cond_init(&pool.wake, 0);
-    atomic_store(&pool.seq, 0);
-    atomic_store(&pool.pending, 0);
+    atomic_store(&pool.ticket, 0);
+    atomic_store(&pool.done, 0);
     atomic_store(&pool.sleepers, 0);
     pool.started = 0;
 }
