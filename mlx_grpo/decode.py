@@ -7,6 +7,9 @@ sampler), not arithmetic. Here the rows of a turn share one fixed-capacity cache
 (`StaticCache`): keys and values are written at an index that is an array, and every
 step attends over the whole capacity through a mask, so all steps of a turn have the
 same shapes and run one compiled graph (model call, the keyed draw and the entropy).
+Even compiled, MLX runs a graph's primitives one by one on a CPU, so for the families
+it knows (llama, qwen2, qwen3, `lean_applies`) the model call is `lean_logits`: the same
+computation for one token a row in about half the primitives.
 
 The cache of row i holds, from left to right: padding; its prefix (`caches[i]`) and its
 tail but the last token, contiguous and ending at column L for every row; then one
@@ -157,8 +160,9 @@ def lean_logits(
     hidden states stay [B, hidden]; the mask, and the rotary cosines and sines, are
     made once for all layers (the latter by the layers' own rotary module, turning a
     unit vector, so any frequencies or scaling it has are kept); the attention's
-    softmax is MLX's. Under `mx.compile` a step of the embedded 30-layer model is
-    about 1,900 primitives instead of 3,200 (MLX runs them one by one on a CPU)."""
+    softmax is MLX's. Under `mx.compile` the graph of a step of the embedded 30-layer
+    model has about 1,480 nodes, inputs included, instead of 3,170 (MLX runs its
+    primitives one by one on a CPU)."""
     inner = model.model
     attn0 = inner.layers[0].self_attn
     b, d = tokens.shape[0], _head_dim(attn0)
