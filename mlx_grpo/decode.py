@@ -86,8 +86,24 @@ class StaticCache:
         return prefix | tail | (k == q)
 
 
+_PROJECTIONS = (
+    ("self_attn", "q_proj"),
+    ("self_attn", "k_proj"),
+    ("self_attn", "v_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
+
+
 def _plain_linear(m) -> bool:
     return type(m) is nn.Linear
+
+
+def _tied(model: nn.Module) -> bool:
+    """Whether the output head is the embedding's transpose (mlx_lm's default)."""
+    return getattr(model.args, "tie_word_embeddings", True)
 
 
 def lean_applies(model: nn.Module) -> bool:
@@ -101,38 +117,23 @@ def lean_applies(model: nn.Module) -> bool:
     layers = getattr(inner, "layers", None)
     if not layers or type(getattr(inner, "embed_tokens", None)) is not nn.Embedding:
         return False
-    if not getattr(model.args, "tie_word_embeddings", True) and not _plain_linear(
-        getattr(model, "lm_head", None)
-    ):
+    if not _tied(model) and not _plain_linear(getattr(model, "lm_head", None)):
         return False
     families = (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock)
     for layer in layers:
         if not isinstance(layer, families) or getattr(layer, "use_sliding", False):
             return False
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(map(_plain_linear, projections)):
+        if not all(_plain_linear(getattr(getattr(layer, a), n, None)) for a, n in _PROJECTIONS):
             return False
-        rope = attn.rope
-        if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != _head_dim(attn):
+        attn = layer.self_attn
+        whole_head = getattr(attn.rope, "dims", None) == _head_dim(attn)
+        if getattr(attn.rope, "traditional", True) or not whole_head:
             return False
     return True
 
 
 def _head_dim(attn: nn.Module) -> int:
     return attn.q_proj.weight.shape[0] // attn.n_heads
-
-
-_PROJECTIONS = (
-    ("self_attn", "q_proj"),
-    ("self_attn", "k_proj"),
-    ("self_attn", "v_proj"),
-    ("self_attn", "o_proj"),
-    ("mlp", "gate_proj"),
-    ("mlp", "up_proj"),
-    ("mlp", "down_proj"),
-)
 
 
 def lean_weights(model: nn.Module) -> list[mx.array]:
@@ -143,8 +144,7 @@ def lean_weights(model: nn.Module) -> list[mx.array]:
     out = [
         getattr(getattr(layer, a), n).weight.T for layer in inner.layers for a, n in _PROJECTIONS
     ]
-    tied = getattr(model.args, "tie_word_embeddings", True)
-    return out + [(inner.embed_tokens if tied else model.lm_head).weight.T]
+    return out + [(inner.embed_tokens if _tied(model) else model.lm_head).weight.T]
 
 
 def _linear(layer: nn.Linear, x: mx.array, weight_t: mx.array) -> mx.array:
@@ -181,7 +181,8 @@ def lean_logits(
     h = inner.embed_tokens(tokens)
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
         attn, mlp = layer.self_attn, layer.mlp
-        wq, wk, wv, wo, wg, wu, wd = weights[7 * i : 7 * i + 7]
+        n = len(_PROJECTIONS)
+        wq, wk, wv, wo, wg, wu, wd = weights[n * i : n * i + n]
         hq, hkv = attn.n_heads, attn.n_kv_heads
         x = layer.input_layernorm(h)
         q = _linear(attn.q_proj, x, wq).reshape(b, hkv, hq // hkv, d)
@@ -198,7 +199,7 @@ def lean_logits(
         g, u = _linear(mlp.gate_proj, x, wg), _linear(mlp.up_proj, x, wu)
         h = h + _linear(mlp.down_proj, fastmath.swiglu(g, u), wd)
     h = inner.norm(h)
-    if getattr(model.args, "tie_word_embeddings", True):
+    if _tied(model):
         return h @ weights[-1]
     return _linear(model.lm_head, h, weights[-1])
 
@@ -220,8 +221,7 @@ class CompiledDecoder:
         self._steps: dict[tuple, object] = {}
         self.traces = 0  # compiled shapes so far (for tests and logs)
 
-    def _step(self, sampler, n_layers: int):
-        lean = lean_applies(self.model)
+    def _step(self, sampler, n_layers: int, lean: bool):
         settings = (sampler.settings, lean)
         if settings not in self._steps:
             model = self.model
@@ -331,7 +331,8 @@ class CompiledDecoder:
         at = mx.array(start)  # no prefix part: the row's tail part is all of it
         meta = (at, mx.array(0), at, at)
         pos = mx.array(width)  # column L: each row's last tail token, the first step's input
-        step = self._step(samplers[0], n_layers)
+        lean = lean_applies(self.model)
+        step = self._step(samplers[0], n_layers, lean)
         keys = mx.stack([s.key for s in samplers])
         tokens = mx.array([t[-1] for t in tails])
         out: list[list[int]] = [[] for _ in range(b)]
@@ -355,7 +356,7 @@ class CompiledDecoder:
                 own.append(c)
             return own
 
-        weights = lean_weights(self.model) if lean_applies(self.model) else []
+        weights = lean_weights(self.model) if lean else []
         nxt, ent, keys, pos, *layers = step(tokens, keys, pos, *meta, weights, *layers)
         mx.async_eval(nxt, ent)
         while True:
