@@ -355,7 +355,25 @@ def _attention_forward(q, k, v, scale, mask, causal):
         maxes[-1].append(m), logs[-1].append(mx.log(total))
     out = _cat([_cat(o, 3) for o in outs], 0)
     m = _cat([_cat(x, 3) for x in maxes], 0)
-    return out.reshape(b, hq, n_q, d), m, _cat([_cat(x, 3) for x in logs], 0)
+    return out.reshape(b, hq, n_q, d), m, _cat([_cat(x, 3) for x in logs], 0), p
+
+
+def _attention_backward_saved(q, k, v, scale, seen, out, m, p, d_out):
+    # The backward of a single-block attention from its saved probabilities p
+    # [b, Hkv, rep * n_q, n_k]: no scores or exp to recompute. `seen`: whether every
+    # query sees a key (else one that sees none, whose scores are constants, gets no
+    # gradient).
+    b, hq, n_q, d = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    qg = (q * scale).reshape(b, hkv, rep * n_q, d)
+    og = out.reshape(b, hkv, rep * n_q, d)
+    dog = d_out.reshape(b, hkv, rep * n_q, d)
+    ds = p * (dog @ v.swapaxes(-1, -2) - (dog * og).sum(-1, keepdims=True))
+    if not seen:
+        ds = mx.where(m.reshape(b, hkv, rep * n_q, 1) > _MASKED, ds, 0.0)
+    dk, dv = ds.swapaxes(-1, -2) @ qg, p.swapaxes(-1, -2) @ dog
+    return ((ds @ k) * scale).reshape(b, hq, n_q, d), dk, dv
 
 
 def _attention_backward(q, k, v, scale, mask, causal, out, m, log_total, d_out):
@@ -396,22 +414,35 @@ def _attention_backward(q, k, v, scale, mask, causal, out, m, log_total, d_out):
 _ATTENTION: dict[tuple, object] = {}
 
 
-def _attention_fn(scale: float, kind: str):
-    """The custom function for one scale and mask kind ('none', 'causal', 'array'):
-    (q, k, v[, mask]) -> (out, row max, log of the row sum)."""
-    key = (scale, kind)
+def _attention_fn(scale: float, kind: str, saved: bool):
+    """The custom function for one scale, mask kind ('none', 'causal', 'array') and
+    backward: (q, k, v[, mask]) -> (out, row max, log of the row sum[, probabilities]).
+    With `saved` (a single block, at most ATTENTION_BLOCK_FLOATS scores) the forward's
+    probabilities are kept for the backward, which then recomputes nothing; otherwise
+    the backward recomputes each block's from the saved normaliser."""
+    key = (scale, kind, saved)
     if key not in _ATTENTION:
         causal = kind == "causal"
 
         @mx.custom_function
         def fn(q, k, v, *mask):
-            return _attention_forward(q, k, v, scale, mask[0] if mask else None, causal)
+            out, m, log_total, p = _attention_forward(
+                q, k, v, scale, mask[0] if mask else None, causal
+            )
+            return (out, m, log_total, p) if saved else (out, m, log_total)
 
         @fn.vjp
         def fn_vjp(primals, cotangents, outputs):
             q, k, v, *mask = primals
             m = mask[0] if mask else None  # grouped already (see attention)
-            grads = _attention_backward(q, k, v, scale, m, causal, *outputs, cotangents[0])
+            if saved:
+                out, row_max, _, p = outputs
+                seen = kind == "none" or (causal and q.shape[2] <= k.shape[2])
+                grads = _attention_backward_saved(
+                    q, k, v, scale, seen, out, row_max, p, cotangents[0]
+                )
+            else:
+                grads = _attention_backward(q, k, v, scale, m, causal, *outputs, cotangents[0])
             return (*grads, *(mx.zeros_like(x) for x in mask))
 
         _ATTENTION[key] = fn
@@ -429,17 +460,20 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     MLX's CPU backend computes that attention unfused, with its scalar exp, over the
     whole [B, Hq, Lq, Lk] score array. Here the scores go in blocks of query rows, each
     small enough to stay in cache, with `exp`; a causal block stops at its last row's
-    key. The gradient is flash attention's: each block's probabilities are recomputed
-    from its saved normaliser (row max and log-sum). On a GPU, or in another dtype, it is MLX's own."""
+    key. Where the scores fit in one block, the backward takes the forward's
+    probabilities, kept; otherwise it is flash attention's: each block's probabilities
+    are recomputed from its saved normaliser (row max and log-sum). On a GPU, or in another dtype, it is MLX's own."""
     if not _on_cpu() or q.dtype != mx.float32 or k.dtype != mx.float32:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    b, hq, n_q, _ = q.shape
+    saved = hq * n_q * k.shape[2] * b <= ATTENTION_BLOCK_FLOATS  # one block
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"attention: mask {mask!r} (only 'causal' or an array)")
-        return _attention_fn(scale, "causal")(q, k, v)[0]
+        return _attention_fn(scale, "causal", saved)(q, k, v)[0]
     if mask is None:
-        return _attention_fn(scale, "none")(q, k, v)[0]
+        return _attention_fn(scale, "none", saved)(q, k, v)[0]
     if mask.dtype != mx.bool_:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     grouped = _grouped_mask(mask, k.shape[1], q.shape[1] // k.shape[1])
-    return _attention_fn(scale, "array")(q, k, v, grouped)[0]
+    return _attention_fn(scale, "array", saved)(q, k, v, grouped)[0]
