@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
 
-from mlx_grpo import fastmath
+from mlx_grpo import fastmath, native
 
 
 def _output_head(model: nn.Module):
@@ -252,18 +252,23 @@ class _Packed:
         # list of (start, inputs) and its width), and, in row order, each row with
         # inputs as ((bucket, place in it), inputs)
         self.plan = []
+        # per position, the keys it sees (native.packed_attention): its prompt's first
+        # position and length (0 for a prompt position), its own sequence's first position
+        seen = []
         start = 0  # of the next position
         self.prompt_end, self.row_start = [], []
         for b, p in enumerate(prompt_lens):
             rows = [max(lengths[b * g + j] - 1, 0) for j in range(g)]
             prompt = (start, p)
             positions.append(np.arange(p))
+            seen += [(start, 0, start)] * p
             start += p
             self.prompt_end.append(start)
             starts = []
             for m in rows:
                 starts.append(start)
                 positions.append(np.arange(p, p + m))
+                seen += [(prompt[0], p, start)] * m
                 start += m
             self.row_start += starts
             buckets, where = [], [None] * g
@@ -274,6 +279,7 @@ class _Packed:
                 buckets.append(([(starts[j], rows[j]) for j in bucket], width))
             self.plan.append((prompt, buckets, [(w, rows[j]) for j, w in enumerate(where) if w]))
         self.offset = mx.array(np.concatenate(positions).astype(np.int32))
+        self.seen = mx.array(np.array(seen, dtype=np.int32).reshape(-1, 3))
 
     def update_and_fetch(self, keys, values):
         return keys, values
@@ -288,6 +294,9 @@ class _Packed:
         mask being causal), not gathered: a gather's backward is a scatter, which costs
         a CPU twice as much."""
         q, k, v = queries[:, :, 0], keys[:, :, 0], values[:, :, 0]
+        out = native.packed_attention(q, k, v, self.seen, scale)
+        if out is not None:
+            return out[:, :, None]
 
         def block(x, rows, width):  # [n, H, width, D]
             parts = [mx.pad(x[s : s + m], [(0, width - m), (0, 0), (0, 0)]) for s, m in rows]

@@ -337,3 +337,82 @@ def test_attention_in_16_bits_is_mlxs_own():
     got = fastmath.attention(q, k, v, 0.35, "causal")
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask="causal")
     assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
+
+
+def test_the_native_packed_attention_builds_where_it_can():
+    """On a Linux CPU with a C++ compiler and nanobind, the extension builds, passes its
+    probe and loads: a kernel that computes wrong results fails here instead of falling
+    back unseen."""
+    import sys
+
+    from mlx_grpo import native
+
+    if not sys.platform.startswith("linux") or native._compiler() is None:
+        pytest.skip("the native op is built on Linux, with a C++ compiler")
+    assert native.module() is not None, native.why()
+
+
+def _packed_layout(groups):
+    """(meta [N, 3], N) for groups of (prompt length, [row input lengths])."""
+    meta, start = [], 0
+    for p, rows in groups:
+        meta += [(start, 0, start)] * p
+        prompt, start = start, start + p
+        for m in rows:
+            meta += [(prompt, p, start)] * m
+            start += m
+    return np.array(meta, np.int32), start
+
+
+def test_native_packed_attention_and_its_gradient_match_float64():
+    """Each position attends to its prompt and its own sequence up to itself: the same
+    as dense attention of that one query over every position with the others masked
+    (_attention64, one batch row per query), values and gradients within the rounding
+    budget of those sums; keys and values gather their gradient from every query that
+    sees them. Two groups, grouped heads, an empty row and a prompt of one token."""
+    from mlx_grpo import native
+
+    if native.module() is None:
+        pytest.skip(f"no native packed attention here: {native.why()}")
+    meta, n = _packed_layout([(5, [4, 0, 6]), (1, [3, 1]), (3, [])])
+    hq, hkv, d, scale = 6, 2, 8, 8**-0.5
+    rng = np.random.default_rng(11)
+    q = rng.normal(0, 2, (n, hq, d)).astype(np.float32)
+    k = rng.normal(0, 2, (n, hkv, d)).astype(np.float32)
+    v = rng.normal(0, 1, (n, hkv, d)).astype(np.float32)
+    d_out = rng.normal(0, 1, (n, hq, d)).astype(np.float32)
+    sees = np.zeros((n, 1, 1, n), bool)
+    for i, (start, plen, own) in enumerate(meta):
+        sees[i, 0, 0, start : start + plen] = True
+        sees[i, 0, 0, own : i + 1] = True
+
+    def f(q, k, v):
+        return native.packed_attention(q, k, v, mx.array(meta), scale)
+
+    args = [mx.array(x) for x in (q, k, v)]
+    out = np.array(f(*args))
+    grads = mx.grad(lambda *a: (f(*a) * mx.array(d_out)).sum(), argnums=(0, 1, 2))(*args)
+    # query i as batch row i: [N, H, 1, D] against every position's keys [N, Hkv, N, D]
+    every = [
+        np.broadcast_to(x.astype(np.float64).transpose(1, 0, 2)[None], (n, hkv, n, d))
+        for x in (k, v)
+    ]
+    want, bound, want_grads, grad_bounds = _attention64(
+        q.astype(np.float64)[:, :, None], *every, scale, sees, d_out.astype(np.float64)[:, :, None]
+    )
+    assert np.all(np.abs(out - want[:, :, 0]) <= bound[:, :, 0])
+    packed = [lambda x: x[:, :, 0], *(lambda x: x.sum(0).transpose(1, 0, 2),) * 2]
+    for name, got, w, bnd, back in zip("qkv", grads, want_grads, grad_bounds, packed):
+        err = np.abs(np.array(got) - back(w))
+        assert np.all(err <= back(bnd)), (name, float(np.max(err / back(bnd))))
+
+
+def test_native_packed_attention_rejects_a_wrong_dtype_in_one_line():
+    from mlx_grpo import native
+
+    if native.module() is None:
+        pytest.skip(f"no native packed attention here: {native.why()}")
+    meta, n = _packed_layout([(2, [2])])
+    q, kv = mx.zeros((n, 2, 4)), mx.zeros((n, 1, 4))
+    with pytest.raises(ValueError, match="int32 meta"):
+        native.module().packed_attention(q, kv, kv, mx.array(meta.astype(np.float32)), 1.0)

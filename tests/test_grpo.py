@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_f32_close, f32_tolerance, tiny_additions
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_grpo import native
 from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.grpo import (
     LossInputs,
@@ -332,14 +333,19 @@ def _groups(seed=2, prompt_lens=(5, 9), g=3, max_c=6):
     return prompts, mx.array(comp), lens
 
 
-@pytest.fixture(params=["packed", "per-group"])
-def tiny_lp(request, tiny):
-    """The tiny llama through each of `completion_logprobs`' passes: packed (its attention
-    is `fastmath.attention`, as `load_model` gives it) or group by group (mlx_lm's)."""
+@pytest.fixture(params=["packed-native", "packed", "per-group"])
+def tiny_lp(request, tiny, monkeypatch):
+    """The tiny llama through each of `completion_logprobs`' passes: packed, its attention
+    the native op (`mlx_grpo.native`, where it builds on a Linux CPU) or MLX's ops
+    (`fastmath.attention`, everywhere else), or group by group (mlx_lm's)."""
     model, tokenizer = tiny
+    if request.param == "packed-native" and native.module() is None:
+        pytest.skip(f"no native packed attention here: {native.why()}")
     if request.param == "packed":
+        monkeypatch.setattr(native, "packed_attention", lambda *args: None)
+    if request.param.startswith("packed"):
         use_fast_attention(model)
-    assert _packable(model) == (request.param == "packed")
+    assert _packable(model) == request.param.startswith("packed")
     return model, tokenizer
 
 

@@ -1,0 +1,237 @@
+"""Packed attention as one native MLX op on Linux CPUs (`packed_attention.cpp`).
+
+The update's packed pass (`logprobs._Packed`) built from MLX's ops is hundreds of small
+ops a layer for its attention alone (the rows laid out into padded blocks, scores,
+masks, an exp, and the gradients of each), about three quarters of the ops of the
+work unit's policy pass; on a CPU each is dispatched on its own. The native op is one
+primitive forward and one backward a layer, over the keys each position sees and no
+others (`_Packed.attend` uses it where it loaded).
+
+It is a C++ MLX extension, compiled once per machine into the cache from its source
+with the system C++ compiler, against the installed MLX's headers and library and
+nanobind (a dependency; its ABI must be the one MLX's own bindings use), then checked
+in a child process against numpy in float64, forward and gradient (a crash there is a
+verdict, as for the BLAS). Where any of that fails, or on anything but a Linux CPU,
+attention stays MLX's ops, with the same results within float32 rounding.
+MLX_GRPO_NATIVE=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_grpo._paths import cache_root
+
+SOURCE = Path(__file__).with_name("packed_attention.cpp")
+MODULE = "_packed_attention"
+BUILD_TIMEOUT_S = 300
+PROBE_TIMEOUT_S = 120
+
+# Runs in a child process: argv = [module file]. Two groups (a prompt, then rows of
+# inputs, one of them empty) with grouped heads, against float64; the gradient against
+# the float64 one of the same loss. Prints one JSON line, or dies trying.
+PROBE = r"""
+import importlib.util, json, sys
+import numpy as np
+spec = importlib.util.spec_from_file_location("_packed_attention", sys.argv[1])
+lib = importlib.util.module_from_spec(spec); spec.loader.exec_module(lib)
+import mlx.core as mx
+mx.set_default_device(mx.cpu)
+rng = np.random.default_rng(0)
+meta, start = [], 0
+for p, rows in ((5, (3, 0, 4)), (4, (2, 2))):
+    meta += [(start, 0, start)] * p
+    prompt, start = start, start + p
+    for m in rows:
+        meta += [(prompt, p, start)] * m
+        start += m
+n, h, hk, d, scale = start, 6, 2, 16, 0.3
+meta = np.array(meta, np.int32)
+q, dout = (rng.standard_normal((n, h, d)).astype(np.float32) for _ in range(2))
+k, v = (rng.standard_normal((n, hk, d)).astype(np.float32) for _ in range(2))
+
+def ref(q, k, v):
+    out, grads = np.zeros((n, h, d)), [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)]
+    for i in range(n):
+        keys = list(range(meta[i, 0], meta[i, 0] + meta[i, 1])) + list(range(meta[i, 2], i + 1))
+        for a in range(h):
+            kk, vv = k[keys, a // (h // hk)], v[keys, a // (h // hk)]
+            s = kk @ q[i, a] * scale
+            p = np.exp(s - s.max()); p /= p.sum()
+            out[i, a] = p @ vv
+            dp = vv @ dout[i, a]
+            ds = p * (dp - p @ dp) * scale
+            grads[0][i, a] = ds @ kk
+            np.add.at(grads[1], (keys, a // (h // hk)), np.outer(ds, q[i, a]))
+            np.add.at(grads[2], (keys, a // (h // hk)), np.outer(p, dout[i, a]))
+    return out, grads
+
+f = lambda q, k, v: lib.packed_attention(q, k, v, mx.array(meta), scale)
+args = [mx.array(x) for x in (q, k, v)]
+got = np.array(f(*args))
+grads = mx.grad(lambda q, k, v: (f(q, k, v) * mx.array(dout)).sum(), argnums=(0, 1, 2))(*args)
+want, want_grads = ref(*(x.astype(np.float64) for x in (q, k, v)))
+errors = [float(np.abs(got - want).max())]
+errors += [float(np.abs(np.array(g) - w).max()) for g, w in zip(grads, want_grads)]
+print(json.dumps({"errors": errors}))
+"""
+# Every value above is a sum of at most 9 terms of size at most a few units, in float32
+# (a relative 6e-8 a term): anything past 1e-4 is a wrong result, not rounding.
+PROBE_TOLERANCE = 1e-4
+
+_state: dict = {"module": None, "why": None}
+
+
+def wanted() -> bool:
+    value = os.environ.get("MLX_GRPO_NATIVE", "").strip().lower()
+    return value not in ("0", "off", "no", "false")
+
+
+def _compiler() -> str | None:
+    names = (os.environ.get("CXX"), "c++", "g++", "clang++")
+    return next((c for c in names if c and shutil.which(c)), None)
+
+
+def _flags() -> list[str]:
+    import nanobind
+
+    mlx_dir = Path(mx.__file__).parent
+    nb = Path(nanobind.source_dir()).parent
+    flags = [
+        "-O3", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
+        "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx",  # MLX's bindings' domain
+        f"-I{nanobind.include_dir()}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
+    ]  # fmt: skip
+    if sys.version_info >= (3, 12):  # MLX's bindings use the stable ABI there
+        flags.append("-DPy_LIMITED_API=0x030C0000")
+    if platform.machine() in ("x86_64", "aarch64"):
+        flags.append("-march=native")  # built on the machine that runs it (key: the CPU)
+    return flags + [
+        str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
+        f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
+    ]  # fmt: skip
+
+
+def build() -> tuple[Path | None, str]:
+    """The compiled extension (built once into the cache), or None and why not."""
+    from mlx_grpo._blas import _cpu_signature, _last_line, _mlx_version
+
+    if not sys.platform.startswith("linux"):
+        return None, f"not built on {sys.platform}"
+    try:
+        import nanobind
+    except ImportError:
+        return None, "needs nanobind (pip install nanobind)"
+    cxx = _compiler()
+    if cxx is None:
+        return None, "needs a C++ compiler (c++) to be built"
+    source = SOURCE.read_text()
+    flags = _flags()
+    key = json.dumps([source, flags, _mlx_version(), nanobind.__version__, _cpu_signature()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out = cache_root() / "native" / f"{MODULE}-{digest}.so"
+    if out.exists():
+        return out, ""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            src = Path(tmp) / SOURCE.name
+            src.write_text(source)
+            cmd = [cxx, "-o", f"{tmp}/{MODULE}.so", str(src), *flags]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                return None, f"did not compile: {_last_line(done.stderr)}"
+            os.replace(f"{tmp}/{MODULE}.so", out)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"could not be built: {e}"
+    return out, ""
+
+
+def probe(lib: Path) -> dict:
+    """Whether the extension loads into this MLX and computes packed attention and its
+    gradient right, found in a child process and cached: {"ok", "reason"}."""
+    from mlx_grpo._blas import _cpu_signature, _mlx_version
+
+    stat = lib.stat()
+    ident = [str(lib), stat.st_size, stat.st_mtime_ns, PROBE, _cpu_signature(), _mlx_version()]
+    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
+    cached = cache_root() / "native" / f"verdict-{key}.json"
+    try:
+        verdict = json.loads(cached.read_text())
+        if isinstance(verdict, dict) and isinstance(verdict.get("ok"), bool):
+            return verdict
+    except (OSError, ValueError):
+        pass
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, str(lib)],
+            capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "reason": f"its probe hung (> {PROBE_TIMEOUT_S} s)"}
+    try:
+        errors = [float(e) for e in json.loads(done.stdout.strip().splitlines()[-1])["errors"]]
+    except (ValueError, KeyError, TypeError, IndexError):
+        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {"ok": False, "reason": f"its probe failed: {tail[:200]}"}
+    if not all(e <= PROBE_TOLERANCE for e in errors):  # (NaN fails too)
+        verdict = {"ok": False, "reason": f"wrong results (errors {errors})"}
+    else:
+        verdict = {"ok": True, "reason": ""}
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(verdict))
+        os.replace(tmp, cached)
+    except OSError:
+        pass
+    return verdict
+
+
+def module():
+    """The loaded extension, or None (then `why()` says why); built, probed and loaded
+    on first call."""
+    if _state["module"] is None and _state["why"] is None:
+        _state["why"] = "off (MLX_GRPO_NATIVE)" if not wanted() else ""
+        if not _state["why"]:
+            lib, why = build()
+            if lib is not None:
+                verdict = probe(lib)
+                why = verdict["reason"]
+            if lib is not None and not why:
+                spec = importlib.util.spec_from_file_location(MODULE, lib)
+                loaded = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(loaded)
+                _state["module"] = loaded
+            _state["why"] = why
+    return _state["module"]
+
+
+def why() -> str:
+    """Why the extension is not in use ("" where it is, or before the first `module()`)."""
+    return _state["why"] or ""
+
+
+def packed_attention(q: mx.array, k: mx.array, v: mx.array, meta: mx.array, scale: float):
+    """softmax(q k^T scale) v over the keys each position sees: q [N, H, D], k and v
+    [N, Hkv, D], meta [N, 3] int32 (per position: its prompt's first row, the prompt's
+    length, its own sequence's first row; it sees the prompt and its own sequence up
+    to itself). None where the extension is not loaded or the arrays are not float32
+    on the CPU."""
+    lib = module()
+    if lib is None or mx.default_device() != mx.cpu or q.dtype != mx.float32:
+        return None
+    return lib.packed_attention(q, k, v, meta, scale)

@@ -1,0 +1,245 @@
+// Packed attention as one MLX primitive on the CPU (mlx_grpo/native.py).
+//
+// The update's packed pass (logprobs._Packed) holds every position of a micro-batch once,
+// as rows of [N, heads, head_dim]: each group's prompt, then each completion's inputs. A
+// position attends to the keys of two runs of rows: its prompt (none for a prompt
+// position) and its own sequence up to itself. `meta` [N, 3] (int32) holds, per position,
+// the prompt's first row, the prompt's length and its own sequence's first row.
+//
+// Built from MLX's own ops, that attention is hundreds of small ops a layer (a layout of
+// rows into padded blocks, scores, masks, an exp, their gradients), each dispatched on its
+// own; here it is one op forward and one backward, over the keys each position sees and
+// no others. The forward keeps the log of each row's normaliser; the backward recomputes
+// the probabilities from it (flash attention's), so nothing of [N, keys] size is stored.
+// Sums run in one fixed order, so a result does not depend on the threads or the rest of
+// the batch.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+// e^x for x <= 0 (a score less its row's maximum) as fastmath.exp computes it: 2^n 2^f with
+// n = round(x log2 e) and Cephes' polynomial for 2^f; 0 below about -87.
+inline float exp_nonpositive(float x) {
+  float t = x * 1.4426950408889634f;
+  t = t < -127.0f ? -127.0f : t;
+  float r = t + 12582912.0f;
+  float f = t - (r - 12582912.0f);
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &r, 4);
+  bits = (bits - (0x4B400000 - 127)) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int d) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < d; i++) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float* y, float c, const float* x, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; i++) y[i] += c * x[i];
+}
+
+struct Shape {
+  int n, h, hk, d;
+  float scale;
+  // The row of the t-th key that position i sees.
+  static inline int key(const int32_t* m, int i, int t) {
+    return t < m[1] ? m[0] + t : m[2] + (t - m[1]);
+  }
+  static inline int keys(const int32_t* m, int i) { return m[1] + (i - m[2] + 1); }
+};
+
+void forward(const float* q, const float* k, const float* v, const int32_t* meta, float* out,
+             float* lse, Shape s) {
+  const int rep = s.h / s.hk;
+  std::vector<float> p(s.n);
+  for (int i = 0; i < s.n; i++) {
+    const int32_t* m = meta + 3 * i;
+    const int nk = Shape::keys(m, i);
+    for (int hh = 0; hh < s.h; hh++) {
+      const float* qi = q + ((size_t)i * s.h + hh) * s.d;
+      const int kh = hh / rep;
+      float top = -INFINITY;
+      for (int t = 0; t < nk; t++) {
+        const float* kj = k + ((size_t)Shape::key(m, i, t) * s.hk + kh) * s.d;
+        p[t] = dot(qi, kj, s.d) * s.scale;
+        top = p[t] > top ? p[t] : top;
+      }
+      float total = 0.0f;
+      for (int t = 0; t < nk; t++) {
+        p[t] = exp_nonpositive(p[t] - top);
+        total += p[t];
+      }
+      float* o = out + ((size_t)i * s.h + hh) * s.d;
+      std::memset(o, 0, sizeof(float) * s.d);
+      const float inv = 1.0f / total;
+      for (int t = 0; t < nk; t++)
+        axpy(o, p[t] * inv, v + ((size_t)Shape::key(m, i, t) * s.hk + kh) * s.d, s.d);
+      lse[(size_t)i * s.h + hh] = top + std::log(total);
+    }
+  }
+}
+
+void backward(const float* q, const float* k, const float* v, const int32_t* meta,
+              const float* out, const float* lse, const float* dout, float* dq, float* dk,
+              float* dv, Shape s) {
+  const int rep = s.h / s.hk;
+  std::memset(dq, 0, sizeof(float) * (size_t)s.n * s.h * s.d);
+  std::memset(dk, 0, sizeof(float) * (size_t)s.n * s.hk * s.d);
+  std::memset(dv, 0, sizeof(float) * (size_t)s.n * s.hk * s.d);
+  for (int i = 0; i < s.n; i++) {
+    const int32_t* m = meta + 3 * i;
+    const int nk = Shape::keys(m, i);
+    for (int hh = 0; hh < s.h; hh++) {
+      const size_t row = (size_t)i * s.h + hh;
+      const float* qi = q + row * s.d;
+      const float* doi = dout + row * s.d;
+      float* dqi = dq + row * s.d;
+      const int kh = hh / rep;
+      const float delta = dot(doi, out + row * s.d, s.d), norm = lse[row];
+      for (int t = 0; t < nk; t++) {
+        const size_t j = (size_t)Shape::key(m, i, t) * s.hk + kh;
+        const float* kj = k + j * s.d;
+        const float p = exp_nonpositive(dot(qi, kj, s.d) * s.scale - norm);
+        const float ds = p * (dot(doi, v + j * s.d, s.d) - delta) * s.scale;
+        axpy(dqi, ds, kj, s.d);
+        axpy(dk + j * s.d, ds, qi, s.d);
+        axpy(dv + j * s.d, p, doi, s.d);
+      }
+    }
+  }
+}
+
+Shape shape_of(const mx::array& q, const mx::array& k, float scale) {
+  return {q.shape(0), q.shape(1), k.shape(1), q.shape(2), scale};
+}
+
+void allocate(std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+}
+
+class PackedAttentionVJP : public mx::Primitive {
+ public:
+  PackedAttentionVJP(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
+    allocate(outputs);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    for (auto& a : outputs) enc.set_output_array(a);
+    enc.dispatch([q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
+                  meta = in[3].data<int32_t>(), out = in[4].data<float>(),
+                  lse = in[5].data<float>(), dout = in[6].data<float>(),
+                  dq = outputs[0].data<float>(), dk = outputs[1].data<float>(),
+                  dv = outputs[2].data<float>(), s = shape_of(in[0], in[1], scale_)]() {
+      backward(q, k, v, meta, out, lse, dout, dq, dk, dv, s);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("PackedAttentionVJP runs on the CPU only");
+  }
+  const char* name() const override { return "PackedAttentionVJP"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const PackedAttentionVJP&>(other).scale_;
+  }
+
+ private:
+  float scale_;
+};
+
+class PackedAttention : public mx::Primitive {
+ public:
+  PackedAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
+    allocate(outputs);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    for (auto& a : outputs) enc.set_output_array(a);
+    enc.dispatch([q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
+                  meta = in[3].data<int32_t>(), out = outputs[0].data<float>(),
+                  lse = outputs[1].data<float>(), s = shape_of(in[0], in[1], scale_)]() {
+      forward(q, k, v, meta, out, lse, s);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("PackedAttention runs on the CPU only");
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>& outputs) override {
+    auto grads = mx::array::make_arrays(
+        {primals[0].shape(), primals[1].shape(), primals[2].shape()},
+        {mx::float32, mx::float32, mx::float32},
+        std::make_shared<PackedAttentionVJP>(stream(), scale_),
+        {primals[0], primals[1], primals[2], primals[3], outputs[0], outputs[1],
+         mx::contiguous(cotangents[0], false, stream())});
+    std::vector<mx::array> out;
+    for (int a : argnums) out.push_back(a < 3 ? grads[a] : mx::zeros_like(primals[a], stream()));
+    return out;
+  }
+  const char* name() const override { return "PackedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const PackedAttention&>(other).scale_;
+  }
+
+ private:
+  float scale_;
+};
+
+mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const mx::array& meta, float scale) {
+  if (q.ndim() != 3 || k.ndim() != 3 || v.shape() != k.shape() || meta.ndim() != 2 ||
+      meta.shape(1) != 3 || q.shape(0) != k.shape(0) || meta.shape(0) != q.shape(0) ||
+      q.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    throw std::invalid_argument(
+        "packed_attention: q [N, H, D], k and v [N, Hkv, D] (H a multiple of Hkv), meta [N, 3]");
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
+      meta.dtype() != mx::int32)
+    throw std::invalid_argument("packed_attention: float32 q, k, v and int32 meta");
+  auto stream = mx::to_stream({});
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("packed_attention: runs on the CPU only");
+  auto outs = mx::array::make_arrays(
+      {q.shape(), {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
+      std::make_shared<PackedAttention>(stream, scale),
+      {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
+       mx::contiguous(v, false, stream), mx::contiguous(meta, false, stream)});
+  return outs[0];
+}
+
+}  // namespace
+
+NB_MODULE(_packed_attention, m) {
+  m.def("packed_attention", &packed_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("meta"), nb::arg("scale"));
+}
