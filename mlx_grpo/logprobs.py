@@ -289,10 +289,11 @@ class _Packed:
 
     def attend(self, queries, keys, values, scale: float) -> mx.array:
         """Attention of every position ([N, H, 1, D] queries, [N, Hkv, 1, D] keys and
-        values) to its own prompt and its own row's earlier positions. Rows are cut
-        out as slices and padded at their end (after what the padding could affect, the
-        mask being causal), not gathered: a gather's backward is a scatter, which costs
-        a CPU twice as much."""
+        values) to its own prompt and its own row's earlier positions: one op where the
+        native one loaded (`mlx_grpo.native`, Linux CPUs). Otherwise, with MLX's ops, rows
+        are cut out as slices and padded at their end (after what the padding could
+        affect, the mask being causal), not gathered: a gather's backward is a scatter,
+        which costs a CPU twice as much."""
         q, k, v = queries[:, :, 0], keys[:, :, 0], values[:, :, 0]
         out = native.packed_attention(q, k, v, self.seen, scale)
         if out is not None:
