@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from mlx_grpo import fastmath
+from mlx_grpo import fastmath, native
 from mlx_grpo.logprobs import length_buckets
 
 MIN_CAPACITY = 64  # columns
@@ -178,6 +178,7 @@ def lean_logits(
         return x * cos2 + swapped * sin2
 
     bias = mx.where(cache[0].make_mask(1), 0.0, -mx.inf)  # [B, 1, 1, capacity]
+    seen = bias.reshape(b, -1)
     h = inner.embed_tokens(tokens)
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
         attn, mlp = layer.self_attn, layer.mlp
@@ -192,8 +193,10 @@ def lean_logits(
             q, k = attn.q_norm(q), attn.k_norm(k)
         keys, values = c.update_and_fetch(rotate(k).astype(k.dtype), v)
         q = rotate(q).astype(q.dtype) * attn.scale
-        scores = q @ keys.swapaxes(-1, -2) + bias
-        out = mx.softmax(scores, axis=-1, precise=True) @ values  # [B, hkv, rep, d]
+        out = native.decode_attention(q.reshape(b, hq, d), keys, values, seen)
+        if out is None:
+            scores = q @ keys.swapaxes(-1, -2) + bias
+            out = mx.softmax(scores, axis=-1, precise=True) @ values  # [B, hkv, rep, d]
         h = h + _linear(attn.o_proj, out.reshape(b, hq * d), wo)
         x = layer.post_attention_layernorm(h)
         g, u = _linear(mlp.gate_proj, x, wg), _linear(mlp.up_proj, x, wu)

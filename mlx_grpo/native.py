@@ -39,9 +39,10 @@ MODULE = "_packed_attention"
 BUILD_TIMEOUT_S = 300
 PROBE_TIMEOUT_S = 120
 
-# Runs in a child process: argv = [module file]. Two groups (a prompt, then rows of
-# inputs, one of them empty) with grouped heads, against float64; the gradient against
-# the float64 one of the same loss. Prints one JSON line, or dies trying.
+# Runs in a child process: argv = [module file]. Packed attention over two groups (a
+# prompt, then rows of inputs, one of them empty) with grouped heads, and its gradient;
+# a decode step over columns some rows do not see; each against float64. Prints one JSON
+# line, or dies trying.
 PROBE = r"""
 import importlib.util, json, sys
 import numpy as np
@@ -85,6 +86,17 @@ grads = mx.grad(lambda q, k, v: (f(q, k, v) * mx.array(dout)).sum(), argnums=(0,
 want, want_grads = ref(*(x.astype(np.float64) for x in (q, k, v)))
 errors = [float(np.abs(got - want).max())]
 errors += [float(np.abs(np.array(g) - w).max()) for g, w in zip(grads, want_grads)]
+
+# a decode step: 3 rows, 7 cache columns, some not seen
+q = rng.standard_normal((3, h, d)).astype(np.float32)
+k, v = (rng.standard_normal((3, hk, 7, d)).astype(np.float32) for _ in range(2))
+bias = np.where(rng.random((3, 7)) < 0.6, 0.0, -np.inf).astype(np.float32)
+bias[:, 2] = 0.0
+s = np.einsum("bhd,bhcd->bhc", q.astype(np.float64), np.repeat(k, h // hk, axis=1)) + bias[:, None]
+p = np.exp(s - s.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
+want = np.einsum("bhc,bhcd->bhd", p, np.repeat(v, h // hk, axis=1))
+got = np.array(lib.decode_attention(*(mx.array(x) for x in (q, k, v, bias))))
+errors.append(float(np.abs(got - want).max()))
 print(json.dumps({"errors": errors}))
 """
 # Every value above is a sum of at most 9 terms of size at most a few units, in float32
@@ -235,3 +247,14 @@ def packed_attention(q: mx.array, k: mx.array, v: mx.array, meta: mx.array, scal
     if lib is None or mx.default_device() != mx.cpu or q.dtype != mx.float32:
         return None
     return lib.packed_attention(q, k, v, meta, scale)
+
+
+def decode_attention(q: mx.array, k: mx.array, v: mx.array, bias: mx.array):
+    """One decode step's attention: softmax(q k^T + bias) v per row, q [B, H, D]
+    (scaled already), k and v a cache [B, Hkv, C, D], bias [B, C] (0 where a column is
+    seen, -inf where not; every row sees one at least). None where the extension is not
+    loaded or the arrays are not float32 on the CPU."""
+    lib = module()
+    if lib is None or mx.default_device() != mx.cpu or q.dtype != mx.float32:
+        return None
+    return lib.decode_attention(q, k, v, bias)

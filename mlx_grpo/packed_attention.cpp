@@ -138,6 +138,39 @@ void backward(const float* q, const float* k, const float* v, const int32_t* met
   }
 }
 
+// One decode step: each of B rows has H queries (pre-scaled) over its cache's C columns
+// of keys and values (Hkv heads), of which those with bias -inf are not seen; the others
+// add their bias to the score.
+void decode(const float* q, const float* k, const float* v, const float* bias, float* out,
+            int b, int h, int hk, int c, int d) {
+  const int rep = h / hk;
+  std::vector<float> p(c);
+  for (int r = 0; r < b; r++) {
+    const float* br = bias + (size_t)r * c;
+    for (int hh = 0; hh < h; hh++) {
+      const float* qi = q + ((size_t)r * h + hh) * d;
+      const size_t head = ((size_t)r * hk + hh / rep) * c;
+      float top = -INFINITY;
+      for (int t = 0; t < c; t++) {
+        if (br[t] == -INFINITY) continue;
+        p[t] = dot(qi, k + (head + t) * d, d) + br[t];
+        top = p[t] > top ? p[t] : top;
+      }
+      float total = 0.0f;
+      for (int t = 0; t < c; t++) {
+        if (br[t] == -INFINITY) continue;
+        p[t] = exp_nonpositive(p[t] - top);
+        total += p[t];
+      }
+      float* o = out + ((size_t)r * h + hh) * d;
+      std::memset(o, 0, sizeof(float) * d);
+      const float inv = 1.0f / total;
+      for (int t = 0; t < c; t++)
+        if (br[t] != -INFINITY) axpy(o, p[t] * inv, v + (head + t) * d, d);
+    }
+  }
+}
+
 Shape shape_of(const mx::array& q, const mx::array& k, float scale) {
   return {q.shape(0), q.shape(1), k.shape(1), q.shape(2), scale};
 }
@@ -216,6 +249,49 @@ class PackedAttention : public mx::Primitive {
   float scale_;
 };
 
+class DecodeAttention : public mx::UnaryPrimitive {
+ public:
+  explicit DecodeAttention(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
+                  bias = in[3].data<float>(), o = out.data<float>(), b = in[0].shape(0),
+                  h = in[0].shape(1), hk = in[1].shape(1), c = in[1].shape(2),
+                  d = in[0].shape(2)]() { decode(q, k, v, bias, o, b, h, hk, c, d); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("DecodeAttention runs on the CPU only");
+  }
+  const char* name() const override { return "DecodeAttention"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+};
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const mx::array& bias) {
+  if (q.ndim() != 3 || k.ndim() != 4 || v.shape() != k.shape() || bias.ndim() != 2 ||
+      k.shape(0) != q.shape(0) || bias.shape(0) != q.shape(0) || bias.shape(1) != k.shape(2) ||
+      q.shape(2) != k.shape(3) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    throw std::invalid_argument(
+        "decode_attention: q [B, H, D], k and v [B, Hkv, C, D] (H a multiple of Hkv), "
+        "bias [B, C]");
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
+      bias.dtype() != mx::float32)
+    throw std::invalid_argument("decode_attention: float32 q, k, v and bias");
+  auto stream = mx::to_stream({});
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("decode_attention: runs on the CPU only");
+  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(stream),
+                   {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
+                    mx::contiguous(v, false, stream), mx::contiguous(bias, false, stream)});
+}
+
 mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const mx::array& meta, float scale) {
   if (q.ndim() != 3 || k.ndim() != 3 || v.shape() != k.shape() || meta.ndim() != 2 ||
@@ -242,4 +318,6 @@ mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::arr
 NB_MODULE(_packed_attention, m) {
   m.def("packed_attention", &packed_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("meta"), nb::arg("scale"));
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("bias"));
 }

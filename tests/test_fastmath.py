@@ -416,3 +416,27 @@ def test_native_packed_attention_rejects_a_wrong_dtype_in_one_line():
     q, kv = mx.zeros((n, 2, 4)), mx.zeros((n, 1, 4))
     with pytest.raises(ValueError, match="int32 meta"):
         native.module().packed_attention(q, kv, kv, mx.array(meta.astype(np.float32)), 1.0)
+
+
+def test_native_decode_attention_matches_float64():
+    """A decode step's attention (pre-scaled queries, a cache of columns of which a
+    row sees some, given as a bias of 0 or -inf) against dense float64 attention with
+    those columns masked (_attention64), within its rounding budget."""
+    from mlx_grpo import native
+
+    if native.module() is None:
+        pytest.skip(f"no native decode attention here: {native.why()}")
+    b, hq, hkv, c, d = 4, 6, 2, 23, 8
+    rng = np.random.default_rng(12)
+    q = rng.normal(0, 2, (b, hq, d)).astype(np.float32)
+    k = rng.normal(0, 2, (b, hkv, c, d)).astype(np.float32)
+    v = rng.normal(0, 1, (b, hkv, c, d)).astype(np.float32)
+    sees = rng.random((b, c)) < 0.5
+    sees[:, 5] = True  # each row sees a column at least
+    bias = np.where(sees, 0.0, -np.inf).astype(np.float32)
+    got = np.array(native.decode_attention(*(mx.array(x) for x in (q, k, v, bias))))
+    want, bound, _, _ = _attention64(
+        q.astype(np.float64)[:, :, None], k.astype(np.float64), v.astype(np.float64), 1.0,
+        sees[:, None, None], np.zeros((b, hq, 1, d)),
+    )  # fmt: skip
+    assert np.all(np.abs(got - want[:, :, 0]) <= bound[:, :, 0])
