@@ -27,6 +27,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as _mlx_lm_swiglu
 
+from mlx_grpo import native
+
 _LOG2E = 1.4426950408889634
 _ROUND = 12582912.0  # 1.5 * 2^23: adding it rounds a float below 2^22 to an integer
 _EXP_BIAS = 0x4B400000 - 127  # the bits of _ROUND, less the float32 exponent bias
@@ -112,6 +114,9 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     at 16 rows). On a GPU, or in another dtype, it is mlx_lm's own."""
     if not _on_cpu() or gate.dtype != mx.float32 or x.dtype != mx.float32:
         return _mlx_lm_swiglu(gate, x)
+    if gate.shape == x.shape and (out := native.swiglu(gate, x)) is not None:
+        return out  # one op forward and one backward, where under a gradient MLX
+        # runs the compiled kernels op by op (about 25 passes each)
     return _fast_swiglu(gate, x)
 
 

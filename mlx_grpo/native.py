@@ -41,8 +41,8 @@ PROBE_TIMEOUT_S = 120
 
 # Runs in a child process: argv = [module file]. Packed attention over two groups (a
 # prompt, then rows of inputs, one of them empty) with grouped heads, and its gradient;
-# a decode step over columns some rows do not see; each against float64. Prints one JSON
-# line, or dies trying.
+# a decode step over columns some rows do not see; SwiGLU and its gradient; each against
+# float64. Prints one JSON line, or dies trying.
 PROBE = r"""
 import importlib.util, json, sys
 import numpy as np
@@ -97,6 +97,17 @@ p = np.exp(s - s.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
 want = np.einsum("bhc,bhcd->bhd", p, np.repeat(v, h // hk, axis=1))
 got = np.array(lib.decode_attention(*(mx.array(x) for x in (q, k, v, bias))))
 errors.append(float(np.abs(got - want).max()))
+
+# SwiGLU and its gradient, across exp's range (e^-g overflows below about -88)
+g = np.concatenate([np.linspace(-95, 95, 191), rng.standard_normal(65)]).astype(np.float32)
+x, c = (rng.standard_normal(g.shape).astype(np.float32) for _ in range(2))
+s = 1 / (1 + np.exp(-g.astype(np.float64)))
+f = lambda g, x: lib.swiglu(g, x)
+got = np.array(f(mx.array(g), mx.array(x)))
+grads = mx.grad(lambda g, x: (f(g, x) * mx.array(c)).sum(), argnums=(0, 1))(mx.array(g), mx.array(x))
+want = (g * s * x, c * x * (s + g * s * (1 - s)), c * g * s)
+scale = np.abs(want[0]) + np.abs(want[1]) + np.abs(want[2]) + 1
+errors += [float((np.abs(np.array(a) - w) / scale).max()) for a, w in zip((got, *grads), want)]
 print(json.dumps({"errors": errors}))
 """
 # Every value above is a sum of at most 9 terms of size at most a few units, in float32
@@ -258,3 +269,12 @@ def decode_attention(q: mx.array, k: mx.array, v: mx.array, bias: mx.array):
     if lib is None or mx.default_device() != mx.cpu or q.dtype != mx.float32:
         return None
     return lib.decode_attention(q, k, v, bias)
+
+
+def swiglu(gate: mx.array, x: mx.array):
+    """silu(gate) * x in one pass, and its gradient in one: None where the extension is
+    not loaded or the arrays are not float32 on the CPU."""
+    lib = module()
+    if lib is None or mx.default_device() != mx.cpu or gate.dtype != mx.float32:
+        return None
+    return lib.swiglu(gate, x)

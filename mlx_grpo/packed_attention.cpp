@@ -33,12 +33,11 @@ namespace mx = mlx::core;
 
 namespace {
 
-// e^x for x <= 0 (a score less its row's maximum) as fastmath.exp computes it: 2^n 2^f with
-// n = round(x log2 e) and Cephes' polynomial for 2^f; 0 below about -87.
-inline float exp_nonpositive(float x) {
-  float t = x * 1.4426950408889634f;
-  t = t < -127.0f ? -127.0f : t;
-  float r = t + 12582912.0f;
+// 2^t for t in [-127, 128], as fastmath.exp computes it: 2^n 2^f with n = round(t) and
+// Cephes' polynomial for 2^f on [-1/2, 1/2]; 2^n from the exponent field, which is 0 (the
+// float 0) at n = -127 and 255 (inf) at n = 128.
+inline float exp2_clamped(float t) {
+  float r = t + 12582912.0f;  // 1.5 * 2^23: its low mantissa bits hold n
   float f = t - (r - 12582912.0f);
   float p = 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
@@ -53,6 +52,18 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
+}
+
+// e^x for x <= 0 (a score less its row's maximum): 0 below about -88.
+inline float exp_nonpositive(float x) {
+  float t = x * 1.4426950408889634f;
+  return exp2_clamped(t < -127.0f ? -127.0f : t);
+}
+
+// e^x for any x: 0 below about -88, inf above about 88.4 (NaN gives NaN).
+inline float exp_any(float x) {
+  float t = x * 1.4426950408889634f;
+  return exp2_clamped(t < -127.0f ? -127.0f : (t > 128.0f ? 128.0f : t));
 }
 
 inline float dot(const float* a, const float* b, int d) {
@@ -171,6 +182,23 @@ void decode(const float* q, const float* k, const float* v, const float* bias, f
   }
 }
 
+// silu(g) u = g u / (1 + e^-g), and its gradient: with s = sigmoid(g), dg = c u (s + g s
+// (1 - s)) and du = c g s (fastmath's kernels, one pass each).
+void swiglu_forward(const float* g, const float* u, float* out, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; i++) out[i] = g[i] * u[i] / (1.0f + exp_any(-g[i]));
+}
+
+void swiglu_backward(const float* g, const float* u, const float* c, float* dg, float* du,
+                     size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; i++) {
+    const float s = 1.0f / (1.0f + exp_any(-g[i])), gs = g[i] * s;
+    dg[i] = c[i] * u[i] * (s + gs * (1.0f - s));
+    du[i] = c[i] * gs;
+  }
+}
+
 Shape shape_of(const mx::array& q, const mx::array& k, float scale) {
   return {q.shape(0), q.shape(1), k.shape(1), q.shape(2), scale};
 }
@@ -249,6 +277,70 @@ class PackedAttention : public mx::Primitive {
   float scale_;
 };
 
+class SwigluVJP : public mx::Primitive {
+ public:
+  explicit SwigluVJP(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
+    allocate(outputs);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    for (auto& a : outputs) enc.set_output_array(a);
+    enc.dispatch([g = in[0].data<float>(), u = in[1].data<float>(), c = in[2].data<float>(),
+                  dg = outputs[0].data<float>(), du = outputs[1].data<float>(),
+                  n = in[0].size()]() { swiglu_backward(g, u, c, dg, du, n); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SwigluVJP runs on the CPU only");
+  }
+  const char* name() const override { return "SwigluVJP"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+class Swiglu : public mx::UnaryPrimitive {
+ public:
+  explicit Swiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([g = in[0].data<float>(), u = in[1].data<float>(), o = out.data<float>(),
+                  n = out.size()]() { swiglu_forward(g, u, o, n); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("Swiglu runs on the CPU only");
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>&) override {
+    auto grads = mx::array::make_arrays(
+        {primals[0].shape(), primals[1].shape()}, {mx::float32, mx::float32},
+        std::make_shared<SwigluVJP>(stream()),
+        {primals[0], primals[1], mx::contiguous(cotangents[0], false, stream())});
+    std::vector<mx::array> out;
+    for (int a : argnums) out.push_back(grads[a]);
+    return out;
+  }
+  const char* name() const override { return "Swiglu"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+};
+
+mx::array swiglu(const mx::array& g, const mx::array& u) {
+  if (g.shape() != u.shape() || g.dtype() != mx::float32 || u.dtype() != mx::float32)
+    throw std::invalid_argument("swiglu: float32 gate and input of one shape");
+  auto stream = mx::to_stream({});
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("swiglu: runs on the CPU only");
+  return mx::array(g.shape(), mx::float32, std::make_shared<Swiglu>(stream),
+                   {mx::contiguous(g, false, stream), mx::contiguous(u, false, stream)});
+}
+
 class DecodeAttention : public mx::UnaryPrimitive {
  public:
   explicit DecodeAttention(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
@@ -318,6 +410,7 @@ mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::arr
 NB_MODULE(_packed_attention, m) {
   m.def("packed_attention", &packed_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("meta"), nb::arg("scale"));
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("bias"));
 }

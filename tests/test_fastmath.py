@@ -440,3 +440,31 @@ def test_native_decode_attention_matches_float64():
         sees[:, None, None], np.zeros((b, hq, 1, d)),
     )  # fmt: skip
     assert np.all(np.abs(got - want[:, :, 0]) <= bound[:, :, 0])
+
+
+def test_native_swiglu_and_its_gradient_match_float64():
+    """silu(g) x and its gradient in one op each, against float64 across exp's range
+    (where e^-g overflows the activation is 0, as the true value rounds to), within the
+    few roundings of each (exp's 12 ulp, a division, three products)."""
+    from mlx_grpo import native
+
+    if native.module() is None:
+        pytest.skip(f"no native swiglu here: {native.why()}")
+    rng = np.random.default_rng(13)
+    g = np.concatenate([np.linspace(-100, 100, 401), rng.normal(0, 3, 300)]).astype(np.float32)
+    x, c = (rng.normal(0, 1, g.shape).astype(np.float32) for _ in range(2))
+    args = [mx.array(g), mx.array(x)]
+    out = np.array(native.swiglu(*args))
+    grads = mx.grad(lambda g, x: (native.swiglu(g, x) * mx.array(c)).sum(), argnums=(0, 1))(*args)
+    g64, x64, c64 = (a.astype(np.float64) for a in (g, x, c))
+    s = 1 / (1 + np.exp(-g64))
+    want = (g64 * s * x64, c64 * x64 * (s + g64 * s * (1 - s)), c64 * g64 * s)
+    # every term's size, at 20 + |g| roundings of float32 (exp's 12 ulp, |g| more from
+    # rounding g log2(e), and 8 operations); where e^-g overflows (g under about -88) the
+    # result is 0 and off by its whole size
+    mags = (np.abs(g64 * s * x64), np.abs(c64 * x64) * (s + np.abs(g64) * s), np.abs(c64 * g64) * s)
+    for got, w, m in zip((out, *grads), want, mags):
+        rel = np.where(g64 < -88, 1.0, (20 + np.abs(g64)) * EPS32)
+        bound = rel * m + np.finfo(np.float32).tiny
+        assert np.all(np.abs(np.array(got, np.float64) - w) <= bound)
+    assert mx.array_equal(fastmath.swiglu(*args), native.swiglu(*args)).item()
