@@ -239,32 +239,35 @@ void backward(const float* q, const float* k, const float* v, const int32_t* met
 // One decode step: each of B rows has H queries (pre-scaled) over its cache's C columns
 // of keys and values (Hkv heads), of which those with bias -inf are not seen; the others
 // add their bias to the score.
+template <int W>
 void decode(const float* q, const float* k, const float* v, const float* bias, float* out,
             int b, int h, int hk, int c, int d) {
+  using H = Head<W>;
   const int rep = h / hk;
   std::vector<float> p(c);
+  std::vector<int> cols(c);
   for (int r = 0; r < b; r++) {
     const float* br = bias + (size_t)r * c;
+    int nk = 0;
+    for (int t = 0; t < c; t++)
+      if (br[t] != -INFINITY) cols[nk++] = t;
     for (int hh = 0; hh < h; hh++) {
       const float* qi = q + ((size_t)r * h + hh) * d;
-      const size_t head = ((size_t)r * hk + hh / rep) * c;
+      const size_t head = ((size_t)r * hk + hh / rep) * c * d;
+      H::dots(qi, k + head, cols.data(), nk, d, d, p.data());
       float top = -INFINITY;
-      for (int t = 0; t < c; t++) {
-        if (br[t] == -INFINITY) continue;
-        p[t] = dot(qi, k + (head + t) * d, d) + br[t];
+      for (int t = 0; t < nk; t++) {
+        p[t] += br[cols[t]];
         top = p[t] > top ? p[t] : top;
       }
       float total = 0.0f;
-      for (int t = 0; t < c; t++) {
-        if (br[t] == -INFINITY) continue;
+      for (int t = 0; t < nk; t++) {
         p[t] = exp_nonpositive(p[t] - top);
         total += p[t];
       }
-      float* o = out + ((size_t)r * h + hh) * d;
-      std::memset(o, 0, sizeof(float) * d);
       const float inv = 1.0f / total;
-      for (int t = 0; t < c; t++)
-        if (br[t] != -INFINITY) axpy(o, p[t] * inv, v + (head + t) * d, d);
+      for (int t = 0; t < nk; t++) p[t] *= inv;
+      H::weighted_sum(p.data(), v + head, cols.data(), nk, d, d, out + ((size_t)r * h + hh) * d);
     }
   }
 }
@@ -451,7 +454,11 @@ class DecodeAttention : public mx::UnaryPrimitive {
     enc.dispatch([q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
                   bias = in[3].data<float>(), o = out.data<float>(), b = in[0].shape(0),
                   h = in[0].shape(1), hk = in[1].shape(1), c = in[1].shape(2),
-                  d = in[0].shape(2)]() { decode(q, k, v, bias, o, b, h, hk, c, d); });
+                  d = in[0].shape(2)]() {
+      d == 64    ? decode<8>(q, k, v, bias, o, b, h, hk, c, d)
+      : d == 128 ? decode<16>(q, k, v, bias, o, b, h, hk, c, d)
+                 : decode<0>(q, k, v, bias, o, b, h, hk, c, d);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("DecodeAttention runs on the CPU only");
