@@ -239,6 +239,12 @@ def module():
                 loaded = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(loaded)
                 _state["module"] = loaded
+            elif lib is not None or why.startswith(("did not", "could not", "needs")):
+                print(
+                    f"mlx-grpo: warning: native attention not in use ({why}); MLX's ops "
+                    "instead, slower on a CPU (MLX_GRPO_NATIVE=0 hides this)",
+                    file=sys.stderr,
+                )
             _state["why"] = why
     return _state["module"]
 

@@ -304,6 +304,41 @@ Shape shape_of(const mx::array& q, const mx::array& k, float scale) {
   return {q.shape(0), q.shape(1), k.shape(1), q.shape(2), scale};
 }
 
+// An input's elements in row-major order: its own buffer where it is row-contiguous (as
+// the ops' inputs almost always are), else a copy made on the stream, when its values are
+// there. (Contiguity is known when the op is scheduled; the values only when it runs.)
+template <typename T>
+struct Dense {
+  const T* data;
+  mx::Shape shape;
+  mx::Strides strides;
+  bool strided;
+  std::shared_ptr<std::vector<T>> copy;
+
+  explicit Dense(const mx::array& a)
+      : data(a.data<T>()), shape(a.shape()), strides(a.strides()),
+        strided(!a.flags().row_contiguous) {}
+
+  const T* get() {
+    if (!strided) return data;
+    size_t n = 1;
+    for (int x : shape) n *= x;
+    copy = std::make_shared<std::vector<T>>(n);
+    T* out = copy->data();
+    fill(data, 0, out);
+    return copy->data();
+  }
+
+ private:
+  void fill(const T* src, size_t dim, T*& out) const {
+    if (dim + 1 == shape.size()) {
+      for (int i = 0; i < shape[dim]; i++) *out++ = src[i * strides[dim]];
+      return;
+    }
+    for (int i = 0; i < shape[dim]; i++) fill(src + i * strides[dim], dim + 1, out);
+  }
+};
+
 void allocate(std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
 }
@@ -317,12 +352,13 @@ class PackedAttentionVJP : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     for (auto& a : outputs) enc.set_output_array(a);
-    enc.dispatch([q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
-                  meta = in[3].data<int32_t>(), out = in[4].data<float>(),
-                  lse = in[5].data<float>(), dout = in[6].data<float>(),
+    enc.dispatch([q = Dense<float>(in[0]), k = Dense<float>(in[1]), v = Dense<float>(in[2]),
+                  meta = Dense<int32_t>(in[3]), out = Dense<float>(in[4]),
+                  lse = Dense<float>(in[5]), dout = Dense<float>(in[6]),
                   dq = outputs[0].data<float>(), dk = outputs[1].data<float>(),
-                  dv = outputs[2].data<float>(), s = shape_of(in[0], in[1], scale_)]() {
-      backward_any(s, q, k, v, meta, out, lse, dout, dq, dk, dv);
+                  dv = outputs[2].data<float>(), s = shape_of(in[0], in[1], scale_)]() mutable {
+      backward_any(s, q.get(), k.get(), v.get(), meta.get(), out.get(), lse.get(), dout.get(),
+                   dq, dk, dv);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -346,10 +382,10 @@ class PackedAttention : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     for (auto& a : outputs) enc.set_output_array(a);
-    enc.dispatch([q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
-                  meta = in[3].data<int32_t>(), out = outputs[0].data<float>(),
-                  lse = outputs[1].data<float>(), s = shape_of(in[0], in[1], scale_)]() {
-      forward_any(s, q, k, v, meta, out, lse);
+    enc.dispatch([q = Dense<float>(in[0]), k = Dense<float>(in[1]), v = Dense<float>(in[2]),
+                  meta = Dense<int32_t>(in[3]), out = outputs[0].data<float>(),
+                  lse = outputs[1].data<float>(), s = shape_of(in[0], in[1], scale_)]() mutable {
+      forward_any(s, q.get(), k.get(), v.get(), meta.get(), out, lse);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -364,7 +400,7 @@ class PackedAttention : public mx::Primitive {
         {mx::float32, mx::float32, mx::float32},
         std::make_shared<PackedAttentionVJP>(stream(), scale_),
         {primals[0], primals[1], primals[2], primals[3], outputs[0], outputs[1],
-         mx::contiguous(cotangents[0], false, stream())});
+         cotangents[0]});
     std::vector<mx::array> out;
     for (int a : argnums) out.push_back(a < 3 ? grads[a] : mx::zeros_like(primals[a], stream()));
     return out;
@@ -387,9 +423,11 @@ class SwigluVJP : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     for (auto& a : outputs) enc.set_output_array(a);
-    enc.dispatch([g = in[0].data<float>(), u = in[1].data<float>(), c = in[2].data<float>(),
+    enc.dispatch([g = Dense<float>(in[0]), u = Dense<float>(in[1]), c = Dense<float>(in[2]),
                   dg = outputs[0].data<float>(), du = outputs[1].data<float>(),
-                  n = in[0].size()]() { swiglu_backward(g, u, c, dg, du, n); });
+                  n = in[0].size()]() mutable {
+      swiglu_backward(g.get(), u.get(), c.get(), dg, du, n);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("SwigluVJP runs on the CPU only");
@@ -407,8 +445,8 @@ class Swiglu : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([g = in[0].data<float>(), u = in[1].data<float>(), o = out.data<float>(),
-                  n = out.size()]() { swiglu_forward(g, u, o, n); });
+    enc.dispatch([g = Dense<float>(in[0]), u = Dense<float>(in[1]), o = out.data<float>(),
+                  n = out.size()]() mutable { swiglu_forward(g.get(), u.get(), o, n); });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("Swiglu runs on the CPU only");
@@ -420,7 +458,7 @@ class Swiglu : public mx::UnaryPrimitive {
     auto grads = mx::array::make_arrays(
         {primals[0].shape(), primals[1].shape()}, {mx::float32, mx::float32},
         std::make_shared<SwigluVJP>(stream()),
-        {primals[0], primals[1], mx::contiguous(cotangents[0], false, stream())});
+        {primals[0], primals[1], cotangents[0]});
     std::vector<mx::array> out;
     for (int a : argnums) out.push_back(grads[a]);
     return out;
@@ -439,7 +477,7 @@ mx::array swiglu(const mx::array& g, const mx::array& u) {
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("swiglu: runs on the CPU only");
   return mx::array(g.shape(), mx::float32, std::make_shared<Swiglu>(stream),
-                   {mx::contiguous(g, false, stream), mx::contiguous(u, false, stream)});
+                   {g, u});
 }
 
 class DecodeAttention : public mx::UnaryPrimitive {
@@ -451,10 +489,11 @@ class DecodeAttention : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
-                  bias = in[3].data<float>(), o = out.data<float>(), b = in[0].shape(0),
+    enc.dispatch([q_ = Dense<float>(in[0]), k_ = Dense<float>(in[1]), v_ = Dense<float>(in[2]),
+                  bias_ = Dense<float>(in[3]), o = out.data<float>(), b = in[0].shape(0),
                   h = in[0].shape(1), hk = in[1].shape(1), c = in[1].shape(2),
-                  d = in[0].shape(2)]() {
+                  d = in[0].shape(2)]() mutable {
+      const float *q = q_.get(), *k = k_.get(), *v = v_.get(), *bias = bias_.get();
       d == 64    ? decode<8>(q, k, v, bias, o, b, h, hk, c, d)
       : d == 128 ? decode<16>(q, k, v, bias, o, b, h, hk, c, d)
                  : decode<0>(q, k, v, bias, o, b, h, hk, c, d);
@@ -485,8 +524,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("decode_attention: runs on the CPU only");
   return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(stream),
-                   {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
-                    mx::contiguous(v, false, stream), mx::contiguous(bias, false, stream)});
+                   {q, k, v, bias});
 }
 
 mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::array& v,
@@ -505,8 +543,7 @@ mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::arr
   auto outs = mx::array::make_arrays(
       {q.shape(), {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
       std::make_shared<PackedAttention>(stream, scale),
-      {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
-       mx::contiguous(v, false, stream), mx::contiguous(meta, false, stream)});
+      {q, k, v, meta});
   return outs[0];
 }
 

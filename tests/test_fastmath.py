@@ -405,6 +405,9 @@ def test_native_packed_attention_and_its_gradient_match_float64():
     for name, got, w, bnd, back in zip("qkv", grads, want_grads, grad_bounds, packed):
         err = np.abs(np.array(got) - back(w))
         assert np.all(err <= back(bnd)), (name, float(np.max(err / back(bnd))))
+    # strided inputs (views of [H, N, D] arrays) are read in row order: the same results
+    strided = [mx.array(x.transpose(1, 0, 2).copy()).transpose(1, 0, 2) for x in (q, k, v)]
+    assert mx.array_equal(f(*strided), f(*args)).item()
 
 
 def test_native_packed_attention_rejects_a_wrong_dtype_in_one_line():
@@ -435,6 +438,9 @@ def test_native_decode_attention_matches_float64():
     sees[:, 5] = True  # each row sees a column at least
     bias = np.where(sees, 0.0, -np.inf).astype(np.float32)
     got = np.array(native.decode_attention(*(mx.array(x) for x in (q, k, v, bias))))
+    strided_q = mx.array(q.transpose(1, 0, 2).copy()).transpose(1, 0, 2)
+    again = native.decode_attention(strided_q, *(mx.array(x) for x in (k, v, bias)))
+    assert np.array_equal(np.array(again), got)
     want, bound, _, _ = _attention64(
         q.astype(np.float64)[:, :, None], k.astype(np.float64), v.astype(np.float64), 1.0,
         sees[:, None, None], np.zeros((b, hq, 1, d)),
