@@ -123,9 +123,20 @@ clean-venv:
 # - a BLAS with run-time CPU dispatch for MLX on Linux (README "Which BLAS"): the
 #   distribution's OpenBLAS. Otherwise mlx-grpo tries PyPI's scipy-openblas32 (through a
 #   shim built with cc) and says what to install.
+# - a C++ compiler for the native attention and SwiGLU ops on Linux CPUs (README "Which
+#   BLAS"); without one MLX's own ops run them, slower.
 # - Chromium and chromedriver for the miniwob recipe (nothing else needs a browser; on
 #   macOS it uses an installed Google Chrome).
 system-deps:
+	@if [ "$$(uname -s)" = Linux ] && ! command -v c++ >/dev/null && ! command -v g++ >/dev/null && ! command -v clang++ >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing g++ (the native attention ops are built with it)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++) >/dev/null 2>&1 \
+	      || echo "warning: could not install g++; attention runs on MLX's ops, slower" >&2; \
+	  else \
+	    echo "note: no C++ compiler; attention runs on MLX's ops, slower (as root: apt-get install g++, or dnf install gcc-c++)" >&2; \
+	  fi; \
+	fi
 	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblasp\?\.so\.0'; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing libopenblas0-pthread (OpenBLAS with run-time CPU dispatch)"; \
