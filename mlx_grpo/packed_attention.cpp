@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -81,7 +82,7 @@ inline void axpy(float* __restrict y, float c, const float* __restrict x, int d)
 // Eight floats as one vector (GCC and Clang vector extensions: an AVX register on x86-64,
 // two NEON registers on ARM), loaded and stored at any alignment.
 typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 
 inline v8 load(const float* p) { return *(const v8u*)p; }
 inline void store(float* p, v8 x) { *(v8u*)p = x; }
@@ -161,6 +162,17 @@ struct Shape {
   float scale;
 };
 
+// Throws unless every position's keys lie within the batch: its prompt's run inside
+// [0, n), its own sequence starting at or before itself (no write past `rows` or dk, dv).
+inline void check_meta(const int32_t* meta, int n) {
+  for (int i = 0; i < n; i++) {
+    const int32_t* m = meta + 3 * i;
+    if (m[0] < 0 || m[1] < 0 || m[0] > n - m[1] || m[2] < 0 || m[2] > i || m[1] > n - (i - m[2] + 1))
+      throw std::invalid_argument("packed_attention: meta row " + std::to_string(i) +
+                                  " names keys outside the batch");
+  }
+}
+
 // The rows of the keys position i sees (its prompt's, then its own sequence's up to
 // itself), into `rows`; returns how many.
 inline int keys_of(const int32_t* meta, int i, int* rows) {
@@ -175,6 +187,7 @@ template <int W>
 void forward(const float* q, const float* k, const float* v, const int32_t* meta, float* out,
              float* lse, Shape s) {
   using H = Head<W>;
+  check_meta(meta, s.n);
   const int rep = s.h / s.hk, d = s.d;
   const size_t step = (size_t)s.hk * d;
   std::vector<float> p(s.n);
@@ -209,6 +222,7 @@ void backward(const float* q, const float* k, const float* v, const int32_t* met
               const float* out, const float* lse, const float* dout, float* dq, float* dk,
               float* dv, Shape s) {
   using H = Head<W>;
+  check_meta(meta, s.n);
   const int rep = s.h / s.hk, d = s.d;
   const size_t step = (size_t)s.hk * d;
   std::memset(dk, 0, sizeof(float) * (size_t)s.n * s.hk * d);
@@ -365,6 +379,9 @@ class PackedAttentionVJP : public mx::Primitive {
     throw std::runtime_error("PackedAttentionVJP runs on the CPU only");
   }
   const char* name() const override { return "PackedAttentionVJP"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape(), in[1].shape(), in[2].shape()};
+  }
   bool is_equivalent(const mx::Primitive& other) const override {
     return scale_ == static_cast<const PackedAttentionVJP&>(other).scale_;
   }
@@ -400,12 +417,15 @@ class PackedAttention : public mx::Primitive {
         {mx::float32, mx::float32, mx::float32},
         std::make_shared<PackedAttentionVJP>(stream(), scale_),
         {primals[0], primals[1], primals[2], primals[3], outputs[0], outputs[1],
-         cotangents[0]});
+         mx::astype(cotangents[0], mx::float32, stream())});
     std::vector<mx::array> out;
     for (int a : argnums) out.push_back(a < 3 ? grads[a] : mx::zeros_like(primals[a], stream()));
     return out;
   }
   const char* name() const override { return "PackedAttention"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape(), {in[0].shape(0), in[0].shape(1)}};
+  }
   bool is_equivalent(const mx::Primitive& other) const override {
     return scale_ == static_cast<const PackedAttention&>(other).scale_;
   }
@@ -433,6 +453,9 @@ class SwigluVJP : public mx::Primitive {
     throw std::runtime_error("SwigluVJP runs on the CPU only");
   }
   const char* name() const override { return "SwigluVJP"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape(), in[0].shape()};
+  }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
@@ -458,7 +481,7 @@ class Swiglu : public mx::UnaryPrimitive {
     auto grads = mx::array::make_arrays(
         {primals[0].shape(), primals[1].shape()}, {mx::float32, mx::float32},
         std::make_shared<SwigluVJP>(stream()),
-        {primals[0], primals[1], cotangents[0]});
+        {primals[0], primals[1], mx::astype(cotangents[0], mx::float32, stream())});
     std::vector<mx::array> out;
     for (int a : argnums) out.push_back(grads[a]);
     return out;

@@ -364,18 +364,20 @@ def _packed_layout(groups):
     return np.array(meta, np.int32), start
 
 
-def test_native_packed_attention_and_its_gradient_match_float64():
+@pytest.mark.parametrize("d", [8, 64, 128])  # 64 and 128 take the vector loops
+def test_native_packed_attention_and_its_gradient_match_float64(d):
     """Each position attends to its prompt and its own sequence up to itself: the same
     as dense attention of that one query over every position with the others masked
     (_attention64, one batch row per query), values and gradients within the rounding
     budget of those sums; keys and values gather their gradient from every query that
-    sees them. Two groups, grouped heads, an empty row and a prompt of one token."""
+    sees them. Two groups, grouped heads, an empty row and a prompt of one token; up to
+    11 keys a query (the four-at-a-time loop and its tail)."""
     from mlx_grpo import native
 
     if native.module() is None:
         pytest.skip(f"no native packed attention here: {native.why()}")
     meta, n = _packed_layout([(5, [4, 0, 6]), (1, [3, 1]), (3, [])])
-    hq, hkv, d, scale = 6, 2, 8, 8**-0.5
+    hq, hkv, scale = 6, 2, d**-0.5
     rng = np.random.default_rng(11)
     q = rng.normal(0, 2, (n, hq, d)).astype(np.float32)
     k = rng.normal(0, 2, (n, hkv, d)).astype(np.float32)
@@ -421,7 +423,8 @@ def test_native_packed_attention_rejects_a_wrong_dtype_in_one_line():
         native.module().packed_attention(q, kv, kv, mx.array(meta.astype(np.float32)), 1.0)
 
 
-def test_native_decode_attention_matches_float64():
+@pytest.mark.parametrize("d", [8, 64, 128])  # 64 and 128 take the vector loops
+def test_native_decode_attention_matches_float64(d):
     """A decode step's attention (pre-scaled queries, a cache of columns of which a
     row sees some, given as a bias of 0 or -inf) against dense float64 attention with
     those columns masked (_attention64), within its rounding budget."""
@@ -429,9 +432,9 @@ def test_native_decode_attention_matches_float64():
 
     if native.module() is None:
         pytest.skip(f"no native decode attention here: {native.why()}")
-    b, hq, hkv, c, d = 4, 6, 2, 23, 8
+    b, hq, hkv, c = 4, 6, 2, 23
     rng = np.random.default_rng(12)
-    q = rng.normal(0, 2, (b, hq, d)).astype(np.float32)
+    q = rng.normal(0, 2 * d**-0.5, (b, hq, d)).astype(np.float32)
     k = rng.normal(0, 2, (b, hkv, c, d)).astype(np.float32)
     v = rng.normal(0, 1, (b, hkv, c, d)).astype(np.float32)
     sees = rng.random((b, c)) < 0.5
@@ -473,4 +476,21 @@ def test_native_swiglu_and_its_gradient_match_float64():
         rel = np.where(g64 < -88, 1.0, (20 + np.abs(g64)) * EPS32)
         bound = rel * m + np.finfo(np.float32).tiny
         assert np.all(np.abs(np.array(got, np.float64) - w) <= bound)
-    assert mx.array_equal(fastmath.swiglu(*args), native.swiglu(*args)).item()
+    assert mx.array_equal(fastmath.swiglu(*args), native.swiglu(*args)).item()  # its route
+    mine = np.array(fastmath._fast_swiglu(*args), np.float64)  # MLX's ops, the same formula
+    assert np.all(np.abs(out - mine) <= 2 * (20 + np.abs(g64)) * EPS32 * mags[0] + 1e-37)
+
+
+def test_native_packed_attention_refuses_keys_outside_the_batch():
+    """A layout whose keys fall outside the batch is an error on evaluation, not a read
+    or write past the arrays; the op then runs on a right one."""
+    from mlx_grpo import native
+
+    if native.module() is None:
+        pytest.skip(f"no native packed attention here: {native.why()}")
+    q, kv = mx.zeros((4, 2, 8)), mx.zeros((4, 1, 8))
+    bad = mx.array(np.array([[0, 0, 0], [0, 0, 0], [0, 2, 2], [0, 9, 2]], np.int32))
+    with pytest.raises(RuntimeError, match="meta row 3 names keys outside the batch"):
+        mx.eval(native.packed_attention(q, kv, kv, bad, 1.0))
+    good = mx.array(np.array([[0, 0, 0], [0, 0, 0], [0, 2, 2], [0, 2, 2]], np.int32))
+    assert mx.array_equal(native.packed_attention(q, kv, kv, good, 1.0), q).item()

@@ -339,14 +339,25 @@ def tiny_lp(request, tiny, monkeypatch):
     the native op (`mlx_grpo.native`, where it builds on a Linux CPU) or MLX's ops
     (`fastmath.attention`, everywhere else), or group by group (mlx_lm's)."""
     model, tokenizer = tiny
-    if request.param == "packed-native" and native.module() is None:
-        pytest.skip(f"no native packed attention here: {native.why()}")
+    took = []  # per call of the native op: whether it computed (not fell back)
+    if request.param == "packed-native":
+        if native.module() is None:
+            pytest.skip(f"no native packed attention here: {native.why()}")
+        real = native.packed_attention
+
+        def counted(*args):
+            out = real(*args)
+            took.append(out is not None)
+            return out
+
+        monkeypatch.setattr(native, "packed_attention", counted)
     if request.param == "packed":
         monkeypatch.setattr(native, "packed_attention", lambda *args: None)
     if request.param.startswith("packed"):
         use_fast_attention(model)
     assert _packable(model) == request.param.startswith("packed")
-    return model, tokenizer
+    yield model, tokenizer
+    assert all(took)  # the native path did not fall back to MLX's ops
 
 
 def test_completion_logprobs_match_full_logits(tiny_lp):
