@@ -268,6 +268,11 @@ def _load():
     return None, why
 
 
+def loaded() -> bool:
+    """Whether this process has loaded the extension (at its first use, where it ran)."""
+    return _state["module"] is not None
+
+
 def why() -> str:
     """Why the extension is not in use ("" where it is, or before the first `module()`)."""
     return _state["why"] or ""
