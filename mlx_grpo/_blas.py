@@ -370,27 +370,42 @@ def _build_shim(lib: Path) -> tuple[Path | None, str]:
     return out, why and f"its shim {why}"
 
 
+# The compilers tried for each language, first the one its variable names.
+COMPILERS = {"c": ("CC", "cc", "gcc", "clang"), "c++": ("CXX", "c++", "g++", "clang++")}
+
+
+def compiler(language: str = "c") -> str | None:
+    """The system compiler for "c" or "c++", or None."""
+    var, *names = COMPILERS[language]
+    return next((c for c in (os.environ.get(var), *names) if c and shutil.which(c)), None)
+
+
 def compile_library(
-    source: str, name: str, args: list[str], key: str = ""
+    source: str,
+    name: str,
+    args: list[str],
+    key: str = "",
+    language: str = "c",
+    folder: str = "blas",
+    timeout: float = 120,
 ) -> tuple[Path | None, str]:
-    """`source` (C) compiled with the system C compiler into a shared library in the
-    cache, once per source, arguments and `key`; or None and why not."""
+    """`source` (in `language`, "c" or "c++") compiled with the system compiler into a
+    shared library in the cache's `folder`, once per source, arguments and `key`; or
+    None and why not."""
     digest = hashlib.sha256(f"{source}{args}{key}".encode()).hexdigest()[:16]
-    out = cache_root() / "blas" / f"{name}-{digest}.so"
+    out = cache_root() / folder / f"{name}-{digest}.so"
     if out.exists():
         return out, ""
-    cc = next(
-        (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
-    )
+    cc = compiler(language)
     if cc is None:
-        return None, "needs a C compiler (cc) to be built"
+        return None, f"needs a {language.upper()} compiler ({COMPILERS[language][1]}) to be built"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / f"{name}.c"
+            src = Path(tmp) / f"{name}.{'cpp' if language == 'c++' else 'c'}"
             src.write_text(source)
             cmd = [cc, "-shared", "-fPIC", "-o", f"{tmp}/{name}.so", str(src), *args]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0:
                 return None, f"did not compile: {_last_line(done.stderr)}"
             os.replace(f"{tmp}/{name}.so", out)
@@ -543,29 +558,39 @@ def probe(lib: Path, threads: int, use_cache: bool = True, coretype: str | None 
     ).hexdigest()[:24]
     cached = cache_root() / "blas" / f"verdict-{key}.json"
     if use_cache:
-        try:
-            verdict = json.loads(cached.read_text())
-        except (OSError, ValueError):
-            verdict = None
-        # Anything else (a torn write, an edit, another version's format) is a miss: a
-        # wrong type here would fail the choice itself on every run.
+        verdict = cached_verdict(cached)
+        # A wrong type here would fail the choice itself on every run: a miss.
         if (
-            isinstance(verdict, dict)
-            and isinstance(verdict.get("ok"), bool)
+            verdict is not None
             and isinstance(verdict.get("reason"), str)
             and isinstance(verdict.get("config"), str)
         ):
             return {k: verdict[k] for k in ("ok", "reason", "config")}
     verdict = _run_probe(lib, threads, coretype)
     if use_cache and not verdict.pop("transient", False):
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(verdict))
-            os.replace(tmp, cached)
-        except OSError:
-            pass  # a read-only cache only costs a probe per process
+        save_verdict(cached, verdict)
     return verdict
+
+
+def cached_verdict(path: Path) -> dict | None:
+    """A probe's verdict saved at `path` ({"ok": bool, ...}), or None where there is none
+    or it is not one (a torn write, an edit, another version's format): a miss."""
+    try:
+        verdict = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict if isinstance(verdict, dict) and isinstance(verdict.get("ok"), bool) else None
+
+
+def save_verdict(path: Path, verdict: dict) -> None:
+    """Save a probe's verdict at `path`, whole or not at all (a write then a rename)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(verdict))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a probe per process
 
 
 def _run_probe(lib: Path, threads: int, coretype: str | None = None) -> dict:

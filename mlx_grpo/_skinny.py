@@ -114,7 +114,7 @@ def _probe_limits() -> str:
 def probe(front: Path, blas: str, threads: int, isa: str) -> dict:
     """Whether the front computes skinny products right through MLX in front of `blas`
     on this CPU, found in a child process and cached: {"ok", "reason", "width"}."""
-    from mlx_grpo._blas import _cpu_signature, _mlx_version
+    from mlx_grpo._blas import _cpu_signature, _mlx_version, cached_verdict, save_verdict
 
     ids = [str(p) + f":{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (front, Path(blas))]
     key = hashlib.sha256(
@@ -123,12 +123,8 @@ def probe(front: Path, blas: str, threads: int, isa: str) -> dict:
         ).encode()
     ).hexdigest()[:24]
     cached = cache_root() / "blas" / f"skinny-verdict-{key}.json"
-    try:
-        verdict = json.loads(cached.read_text())
-        if isinstance(verdict, dict) and isinstance(verdict.get("ok"), bool):
-            return verdict
-    except (OSError, ValueError):
-        pass
+    if (verdict := cached_verdict(cached)) is not None:
+        return verdict
     try:
         done = subprocess.run(
             [sys.executable, "-c", PROBE, str(front), blas, str(threads), isa, _probe_limits()],
@@ -150,13 +146,7 @@ def probe(front: Path, blas: str, threads: int, isa: str) -> dict:
         verdict = {"ok": False, "reason": "MLX did not call it", "width": 0}
     else:
         verdict = {"ok": True, "reason": "", "width": width}
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(verdict))
-        os.replace(tmp, cached)
-    except OSError:
-        pass
+    save_verdict(cached, verdict)
     return verdict
 
 

@@ -23,11 +23,9 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 
@@ -130,18 +128,13 @@ def wanted() -> bool:
     return value not in ("0", "off", "no", "false")
 
 
-def _compiler() -> str | None:
-    names = (os.environ.get("CXX"), "c++", "g++", "clang++")
-    return next((c for c in names if c and shutil.which(c)), None)
-
-
 def _flags() -> list[str]:
     import nanobind
 
     mlx_dir = Path(mx.__file__).parent
     nb = Path(nanobind.source_dir()).parent
     flags = [
-        "-O3", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
+        "-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp-simd",
         "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx",  # MLX's bindings' domain
         f"-I{nanobind.include_dir()}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
@@ -158,52 +151,29 @@ def _flags() -> list[str]:
 
 def build() -> tuple[Path | None, str]:
     """The compiled extension (built once into the cache), or None and why not."""
-    from mlx_grpo._blas import _cpu_signature, _last_line, _mlx_version
+    from mlx_grpo._blas import _cpu_signature, _mlx_version, compile_library
 
     try:
         import nanobind
     except ImportError:
         return None, "needs nanobind (pip install nanobind)"
-    cxx = _compiler()
-    if cxx is None:
-        return None, "needs a C++ compiler (c++) to be built"
-    source = SOURCE.read_text()
-    flags = _flags()
-    key = json.dumps([source, flags, _mlx_version(), nanobind.__version__, _cpu_signature()])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    out = cache_root() / "native" / f"{MODULE}-{digest}.so"
-    if out.exists():
-        return out, ""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / SOURCE.name
-            src.write_text(source)
-            cmd = [cxx, "-o", f"{tmp}/{MODULE}.so", str(src), *flags]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if done.returncode != 0:
-                return None, f"did not compile: {_last_line(done.stderr)}"
-            os.replace(f"{tmp}/{MODULE}.so", out)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"could not be built: {e}"
-    return out, ""
+    key = json.dumps([_mlx_version(), nanobind.__version__, _cpu_signature()])
+    return compile_library(
+        SOURCE.read_text(), MODULE, _flags(), key, "c++", "native", BUILD_TIMEOUT_S
+    )
 
 
 def probe(lib: Path) -> dict:
     """Whether the extension loads into this MLX and computes packed attention and its
     gradient right, found in a child process and cached: {"ok", "reason"}."""
-    from mlx_grpo._blas import _cpu_signature, _mlx_version
+    from mlx_grpo._blas import _cpu_signature, _mlx_version, cached_verdict, save_verdict
 
     stat = lib.stat()
     ident = [str(lib), stat.st_size, stat.st_mtime_ns, PROBE, _cpu_signature(), _mlx_version()]
     key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
     cached = cache_root() / "native" / f"verdict-{key}.json"
-    try:
-        verdict = json.loads(cached.read_text())
-        if isinstance(verdict, dict) and isinstance(verdict.get("ok"), bool):
-            return verdict
-    except (OSError, ValueError):
-        pass
+    if (verdict := cached_verdict(cached)) is not None:
+        return verdict
     try:
         done = subprocess.run(
             [sys.executable, "-c", PROBE, str(lib)],
@@ -220,13 +190,7 @@ def probe(lib: Path) -> dict:
         verdict = {"ok": False, "reason": f"wrong results (errors {errors})"}
     else:
         verdict = {"ok": True, "reason": ""}
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(verdict))
-        os.replace(tmp, cached)
-    except OSError:
-        pass
+    save_verdict(cached, verdict)
     return verdict
 
 

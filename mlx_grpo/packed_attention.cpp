@@ -353,30 +353,51 @@ struct Dense {
   }
 };
 
-void allocate(std::vector<mx::array>& outputs) {
-  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+// The default stream, where it is a CPU one; `op` names the op in the error otherwise.
+mx::Stream cpu_stream(const char* op) {
+  auto stream = mx::to_stream({});
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument(std::string(op) + ": runs on the CPU only");
+  return stream;
 }
 
-class PackedAttentionVJP : public mx::Primitive {
+// A primitive computed on the CPU stream: `encoder` allocates the outputs (so that a task
+// made after it may capture their pointers) and names the buffers MLX holds while the
+// task it then dispatches runs.
+class CpuPrimitive : public mx::Primitive {
  public:
-  PackedAttentionVJP(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  using mx::Primitive::Primitive;
 
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
-    allocate(outputs);
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+ protected:
+  mx::cpu::CommandEncoder& encoder(const std::vector<mx::array>& in,
+                                   std::vector<mx::array>& outputs) {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     for (auto& a : outputs) enc.set_output_array(a);
-    enc.dispatch([q = Dense<float>(in[0]), k = Dense<float>(in[1]), v = Dense<float>(in[2]),
-                  meta = Dense<int32_t>(in[3]), out = Dense<float>(in[4]),
-                  lse = Dense<float>(in[5]), dout = Dense<float>(in[6]),
-                  dq = outputs[0].data<float>(), dk = outputs[1].data<float>(),
-                  dv = outputs[2].data<float>(), s = shape_of(in[0], in[1], scale_)]() mutable {
-      backward_any(s, q.get(), k.get(), v.get(), meta.get(), out.get(), lse.get(), dout.get(),
-                   dq, dk, dv);
-    });
+    return enc;
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("PackedAttentionVJP runs on the CPU only");
+};
+
+class PackedAttentionVJP : public CpuPrimitive {
+ public:
+  PackedAttentionVJP(mx::Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(in, outputs);
+    enc.dispatch(
+        [q = Dense<float>(in[0]), k = Dense<float>(in[1]), v = Dense<float>(in[2]),
+         meta = Dense<int32_t>(in[3]), out = Dense<float>(in[4]), lse = Dense<float>(in[5]),
+         dout = Dense<float>(in[6]), dq = outputs[0].data<float>(),
+         dk = outputs[1].data<float>(), dv = outputs[2].data<float>(),
+         s = shape_of(in[0], in[1], scale_)]() mutable {
+          backward_any(s, q.get(), k.get(), v.get(), meta.get(), out.get(), lse.get(),
+                       dout.get(), dq, dk, dv);
+        });
   }
   const char* name() const override { return "PackedAttentionVJP"; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
@@ -390,23 +411,18 @@ class PackedAttentionVJP : public mx::Primitive {
   float scale_;
 };
 
-class PackedAttention : public mx::Primitive {
+class PackedAttention : public CpuPrimitive {
  public:
-  PackedAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  PackedAttention(mx::Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
-    allocate(outputs);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    for (auto& a : outputs) enc.set_output_array(a);
-    enc.dispatch([q = Dense<float>(in[0]), k = Dense<float>(in[1]), v = Dense<float>(in[2]),
-                  meta = Dense<int32_t>(in[3]), out = outputs[0].data<float>(),
-                  lse = outputs[1].data<float>(), s = shape_of(in[0], in[1], scale_)]() mutable {
-      forward_any(s, q.get(), k.get(), v.get(), meta.get(), out, lse);
-    });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("PackedAttention runs on the CPU only");
+    auto& enc = encoder(in, outputs);
+    enc.dispatch(
+        [q = Dense<float>(in[0]), k = Dense<float>(in[1]), v = Dense<float>(in[2]),
+         meta = Dense<int32_t>(in[3]), out = outputs[0].data<float>(),
+         lse = outputs[1].data<float>(), s = shape_of(in[0], in[1], scale_)]() mutable {
+          forward_any(s, q.get(), k.get(), v.get(), meta.get(), out, lse);
+        });
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
@@ -434,23 +450,16 @@ class PackedAttention : public mx::Primitive {
   float scale_;
 };
 
-class SwigluVJP : public mx::Primitive {
+class SwigluVJP : public CpuPrimitive {
  public:
-  explicit SwigluVJP(mx::Stream stream) : mx::Primitive(stream) {}
+  using CpuPrimitive::CpuPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
-    allocate(outputs);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    for (auto& a : outputs) enc.set_output_array(a);
-    enc.dispatch([g = Dense<float>(in[0]), u = Dense<float>(in[1]), c = Dense<float>(in[2]),
-                  dg = outputs[0].data<float>(), du = outputs[1].data<float>(),
-                  n = in[0].size()]() mutable {
-      swiglu_backward(g.get(), u.get(), c.get(), dg, du, n);
-    });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SwigluVJP runs on the CPU only");
+    auto& enc = encoder(in, outputs);
+    enc.dispatch(
+        [g = Dense<float>(in[0]), u = Dense<float>(in[1]), c = Dense<float>(in[2]),
+         dg = outputs[0].data<float>(), du = outputs[1].data<float>(),
+         n = in[0].size()]() mutable { swiglu_backward(g.get(), u.get(), c.get(), dg, du, n); });
   }
   const char* name() const override { return "SwigluVJP"; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
@@ -459,20 +468,15 @@ class SwigluVJP : public mx::Primitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
-class Swiglu : public mx::UnaryPrimitive {
+class Swiglu : public CpuPrimitive {
  public:
-  explicit Swiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  using CpuPrimitive::CpuPrimitive;
 
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([g = Dense<float>(in[0]), u = Dense<float>(in[1]), o = out.data<float>(),
-                  n = out.size()]() mutable { swiglu_forward(g.get(), u.get(), o, n); });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("Swiglu runs on the CPU only");
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(in, outputs);
+    enc.dispatch(
+        [g = Dense<float>(in[0]), u = Dense<float>(in[1]), o = outputs[0].data<float>(),
+         n = outputs[0].size()]() mutable { swiglu_forward(g.get(), u.get(), o, n); });
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
@@ -496,34 +500,26 @@ class Swiglu : public mx::UnaryPrimitive {
 mx::array swiglu(const mx::array& g, const mx::array& u) {
   if (g.shape() != u.shape() || g.dtype() != mx::float32 || u.dtype() != mx::float32)
     throw std::invalid_argument("swiglu: float32 gate and input of one shape");
-  auto stream = mx::to_stream({});
-  if (stream.device != mx::Device::cpu)
-    throw std::invalid_argument("swiglu: runs on the CPU only");
-  return mx::array(g.shape(), mx::float32, std::make_shared<Swiglu>(stream),
+  return mx::array(g.shape(), mx::float32, std::make_shared<Swiglu>(cpu_stream("swiglu")),
                    {g, u});
 }
 
-class DecodeAttention : public mx::UnaryPrimitive {
+class DecodeAttention : public CpuPrimitive {
  public:
-  explicit DecodeAttention(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  using CpuPrimitive::CpuPrimitive;
 
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([q_ = Dense<float>(in[0]), k_ = Dense<float>(in[1]), v_ = Dense<float>(in[2]),
-                  bias_ = Dense<float>(in[3]), o = out.data<float>(), b = in[0].shape(0),
-                  h = in[0].shape(1), hk = in[1].shape(1), c = in[1].shape(2),
-                  d = in[0].shape(2)]() mutable {
-      const float *q = q_.get(), *k = k_.get(), *v = v_.get(), *bias = bias_.get();
-      d == 64    ? decode<8>(q, k, v, bias, o, b, h, hk, c, d)
-      : d == 128 ? decode<16>(q, k, v, bias, o, b, h, hk, c, d)
-                 : decode<0>(q, k, v, bias, o, b, h, hk, c, d);
-    });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("DecodeAttention runs on the CPU only");
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(in, outputs);
+    enc.dispatch(
+        [q_ = Dense<float>(in[0]), k_ = Dense<float>(in[1]), v_ = Dense<float>(in[2]),
+         bias_ = Dense<float>(in[3]), o = outputs[0].data<float>(), b = in[0].shape(0),
+         h = in[0].shape(1), hk = in[1].shape(1), c = in[1].shape(2),
+         d = in[0].shape(2)]() mutable {
+          const float *q = q_.get(), *k = k_.get(), *v = v_.get(), *bias = bias_.get();
+          d == 64    ? decode<8>(q, k, v, bias, o, b, h, hk, c, d)
+          : d == 128 ? decode<16>(q, k, v, bias, o, b, h, hk, c, d)
+                     : decode<0>(q, k, v, bias, o, b, h, hk, c, d);
+        });
   }
   const char* name() const override { return "DecodeAttention"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
@@ -543,9 +539,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
       bias.dtype() != mx::float32)
     throw std::invalid_argument("decode_attention: float32 q, k, v and bias");
-  auto stream = mx::to_stream({});
-  if (stream.device != mx::Device::cpu)
-    throw std::invalid_argument("decode_attention: runs on the CPU only");
+  auto stream = cpu_stream("decode_attention");
   return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(stream),
                    {q, k, v, bias});
 }
@@ -560,9 +554,7 @@ mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
       meta.dtype() != mx::int32)
     throw std::invalid_argument("packed_attention: float32 q, k, v and int32 meta");
-  auto stream = mx::to_stream({});
-  if (stream.device != mx::Device::cpu)
-    throw std::invalid_argument("packed_attention: runs on the CPU only");
+  auto stream = cpu_stream("packed_attention");
   auto outs = mx::array::make_arrays(
       {q.shape(), {q.shape(0), q.shape(1)}}, {mx::float32, mx::float32},
       std::make_shared<PackedAttention>(stream, scale),
