@@ -388,10 +388,11 @@ def compile_library(
     language: str = "c",
     folder: str = "blas",
     timeout: float = 120,
+    announce: str = "",
 ) -> tuple[Path | None, str]:
     """`source` (in `language`, "c" or "c++") compiled with the system compiler into a
     shared library in the cache's `folder`, once per source, arguments and `key`; or
-    None and why not."""
+    None and why not. `announce`, if given, goes to stderr as the compiler starts."""
     digest = hashlib.sha256(f"{source}{args}{key}".encode()).hexdigest()[:16]
     out = cache_root() / folder / f"{name}-{digest}.so"
     if out.exists():
@@ -404,6 +405,8 @@ def compile_library(
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             src = Path(tmp) / f"{name}.{'cpp' if language == 'c++' else 'c'}"
             src.write_text(source)
+            if announce:
+                print(announce, file=sys.stderr, flush=True)
             cmd = [cc, "-shared", "-fPIC", "-o", f"{tmp}/{name}.so", str(src), *args]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0:

@@ -1,11 +1,12 @@
-"""Packed attention as one native MLX op on Linux CPUs (`packed_attention.cpp`).
+"""Attention and SwiGLU as native MLX ops on Linux CPUs (`packed_attention.cpp`).
 
 The update's packed pass (`logprobs._Packed`) built from MLX's ops is hundreds of small
 ops a layer for its attention alone (the rows laid out into padded blocks, scores,
 masks, an exp, and the gradients of each), about three quarters of the ops of the
 work unit's policy pass; on a CPU each is dispatched on its own. The native op is one
 primitive forward and one backward a layer, over the keys each position sees and no
-others (`_Packed.attend` uses it where it loaded).
+others (`_Packed.attend` uses it where it loaded). A decode step's attention
+(`decode.lean_logits`) and SwiGLU (`fastmath.swiglu`) are one op each too.
 
 It is a C++ MLX extension, compiled once per machine into the cache from its source
 with the system C++ compiler, against the installed MLX's headers and library and
@@ -159,8 +160,10 @@ def build() -> tuple[Path | None, str]:
         return None, "needs nanobind (pip install nanobind)"
     key = json.dumps([_mlx_version(), nanobind.__version__, _cpu_signature()])
     return compile_library(
-        SOURCE.read_text(), MODULE, _flags(), key, "c++", "native", BUILD_TIMEOUT_S
-    )
+        SOURCE.read_text(), MODULE, _flags(), key, "c++", "native", BUILD_TIMEOUT_S,
+        announce="mlx-grpo: building the native attention and SwiGLU ops for this CPU "
+        "(once per machine and MLX version)",
+    )  # fmt: skip
 
 
 def probe(lib: Path) -> dict:
@@ -275,3 +278,22 @@ def swiglu(gate: mx.array, x: mx.array):
     if not _runs(gate, x):
         return None
     return module().swiglu(gate, x)
+
+
+def main() -> int:
+    """`python -m mlx_grpo.native`: build, probe and load the extension now (as `make
+    install` does on Linux, so that a first run does not wait for the compiler) and say
+    in one line whether it is in use; exit status 1 where it is not."""
+    if mx.default_device() != mx.cpu:
+        print(f"native ops: not needed (MLX runs on {mx.default_device()})")
+        return 0
+    lib = module()
+    if lib is None:
+        print(f"native ops: not in use: {why()}; MLX's ops instead")
+        return 1
+    print(f"native ops: in use ({lib.__file__})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

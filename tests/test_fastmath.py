@@ -3,6 +3,7 @@ log-softmax built on it, the distribution of the inverse-CDF sampler, SwiGLU and
 blocked attention with its gradient."""
 
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -350,6 +351,43 @@ def test_the_native_packed_attention_builds_where_it_can():
     if not sys.platform.startswith("linux") or _blas.compiler("c++") is None:
         pytest.skip("the native op is built on Linux, with a C++ compiler")
     assert native.module() is not None, native.why()
+
+
+def test_python_m_native_says_whether_the_ops_are_in_use():
+    """`python -m mlx_grpo.native` (run by `make install` on Linux) loads the extension
+    and says so in one line, exit status 0; turned off, it says why, exit status 1."""
+    import subprocess
+    import sys
+
+    from mlx_grpo import _blas, native
+
+    if not sys.platform.startswith("linux") or _blas.compiler("c++") is None:
+        pytest.skip("the native op is built on Linux, with a C++ compiler")
+    native.module()  # built in this process's cache already, if not before
+    cmd = [sys.executable, "-m", "mlx_grpo.native"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("native ops: in use ("), done
+    assert "building" not in done.stderr  # built once, then taken from the cache
+    env = {**os.environ, "MLX_GRPO_NATIVE": "0"}
+    off = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert off.returncode == 1
+    assert off.stdout == "native ops: not in use: off (MLX_GRPO_NATIVE); MLX's ops instead\n"
+
+
+def test_a_library_build_is_announced_once_on_stderr(tmp_path, monkeypatch, capfd):
+    """The first build of a compiled library says so on stderr before the compiler
+    runs (the native ops take a while); a second call finds it in the cache, silently."""
+    from mlx_grpo import _blas
+
+    if _blas.compiler("c") is None:
+        pytest.skip("needs a C compiler")
+    monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path))
+    source = "int answer(void) { return 42; }\n"
+    first, why = _blas.compile_library(source, "answer", [], announce="building answer")
+    assert first is not None and first.exists(), why
+    assert capfd.readouterr().err == "building answer\n"
+    again, _ = _blas.compile_library(source, "answer", [], announce="building answer")
+    assert again == first and capfd.readouterr().err == ""
 
 
 def _packed_layout(groups):

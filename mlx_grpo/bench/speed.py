@@ -242,23 +242,50 @@ def floor_report(res: dict) -> dict:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+    cpu, kind = platform.processor() or platform.machine(), ""
     if LINUX:
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
+        from mlx_grpo._blas import _cpu_signature
+
+        signature = _cpu_signature()
+        names = [line for line in signature.splitlines() if line.startswith("model name")]
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+        kind = cpu_kind(signature)
     mem = ""
     try:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         mem = f", {pages / 2**30:.0f} GiB RAM"
     except (ValueError, OSError, AttributeError):
         pass
-    where = f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
+    where = f"{cpu}{kind}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
     return where + _mlx_device()
+
+
+def cpu_kind(cpuinfo: str) -> str:
+    r"""An x86-64 CPU's family, model and widest vector instructions from /proc/cpuinfo's
+    fields, as the machine line shows them (tables of two CPU kinds, one with AVX-512 and
+    one without, are told apart by it); "" for other CPUs.
+
+    >>> cpu_kind("cpu family\t: 25\nmodel\t\t: 1\nflags\t\t: fpu avx avx2 fma")
+    ' (family 25, model 1; AVX2, no AVX-512)'
+    >>> cpu_kind("cpu family\t: 6\nmodel\t\t: 207\nflags\t\t: avx2 avx512f avx512bw")
+    ' (family 6, model 207; AVX-512)'
+    >>> cpu_kind("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd")
+    ''
+    """
+    fields: dict[str, str] = {}
+    for line in cpuinfo.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "cpu family" not in fields:
+        return ""
+    flags = set(fields.get("flags", "").split())
+    widest = (
+        "AVX-512" if "avx512f" in flags
+        else "AVX2, no AVX-512" if "avx2" in flags
+        else "AVX, no AVX2" if "avx" in flags
+        else "no AVX"
+    )  # fmt: skip
+    return f" (family {fields['cpu family']}, model {fields.get('model', '?')}; {widest})"
 
 
 def _mlx_device() -> str:
