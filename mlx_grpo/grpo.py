@@ -74,7 +74,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_grpo.env import turn_spans
-from mlx_grpo.logprobs import completion_logprobs, effective_lengths
+from mlx_grpo.logprobs import completion_logprobs, effective_lengths, shared_inputs
 
 ADV_EPS = 1e-4
 
@@ -141,7 +141,8 @@ class LossInputs:
 
 def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInputs]:
     """`batch` in pieces that each run at most `max_positions` sequence positions (a
-    group's prompt once, plus each row up to its last loss token), so the update's
+    group's prompt once, plus each row up to its last loss token less what it shares
+    with an earlier row: `group_positions`), so the update's
     activations stay bounded. Whole groups go together while they fit; a group that
     does not fit alone is cut into runs of consecutive rows (one row at least). Every
     piece carries the whole batch's counts (`total_rows`, `total_tokens`), so the
@@ -152,7 +153,7 @@ def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInpu
     g = n // b
     lengths = effective_lengths(batch.mask)
     plens = [int(p.shape[0]) for p in batch.prompts]
-    group_cost = [plens[i] + sum(lengths[i * g : (i + 1) * g]) for i in range(b)]
+    group_cost = group_positions(batch, lengths)
     if max_positions is None or sum(group_cost) <= max_positions:
         return [batch]
 
@@ -167,7 +168,7 @@ def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInpu
             run.append(i)
             run_cost += group_cost[i]
             continue
-        start, cost = i * g, plens[i]
+        start, cost = i * g, plens[i]  # rows cut apart share nothing: counted whole
         for r in range(i * g, (i + 1) * g):
             if r > start and cost + lengths[r] > max_positions:
                 spans.append(([i], start, r))
@@ -190,10 +191,8 @@ def lane_pieces(batch: LossInputs, lanes: int) -> list[LossInputs]:
         return [batch]
     g = n // b
     lengths = effective_lengths(batch.mask)
-    plens = [int(p.shape[0]) for p in batch.prompts]
     if b >= lanes:
-        cost = [plens[i] + sum(lengths[i * g : (i + 1) * g]) for i in range(b)]
-        cuts = _balanced_cuts(cost, lanes)
+        cuts = _balanced_cuts(group_positions(batch, lengths), lanes)
         spans = [(list(range(lo, hi)), lo * g, hi * g) for lo, hi in zip(cuts, cuts[1:])]
     else:
         spans = []
@@ -201,6 +200,16 @@ def lane_pieces(batch: LossInputs, lanes: int) -> list[LossInputs]:
             cuts = _balanced_cuts(lengths[i * g : (i + 1) * g], lanes // b)
             spans += [([i], i * g + lo, i * g + hi) for lo, hi in zip(cuts, cuts[1:])]
     return _pieces(batch, spans)
+
+
+def group_positions(batch: LossInputs, lengths: list[int]) -> list[int]:
+    """Per group, about the positions its packed pass runs (`logprobs._Packed`): its
+    prompt once, then each row up to its last loss token (`lengths`), less the inputs
+    it opens with alike an earlier row of its group (`logprobs.shared_inputs`)."""
+    g = len(lengths) // len(batch.prompts)
+    shared = shared_inputs(np.array(batch.completions), lengths, g)
+    own = [n - (0 if s is None else s[1]) for n, s in zip(lengths, shared)]
+    return [int(p.shape[0]) + sum(own[i * g : (i + 1) * g]) for i, p in enumerate(batch.prompts)]
 
 
 def _balanced_cuts(costs: list[int], k: int) -> list[int]:

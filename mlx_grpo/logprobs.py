@@ -6,11 +6,12 @@ tokens) and the entropy of that position's distribution, differentiably and in f
 For models whose attention runs through `models.use_fast_attention` (llama, qwen2,
 qwen3), the whole micro-batch is one packed pass (`_Packed`):
 - every token that feeds a prediction sits once in one [N, 1] batch (each group's
-  prompt once, then each completion up to its length, no padding), so each linear
-  layer is one GEMM over N rows, where per-group, per-length passes made many small
-  ones whose cost is mostly fixed (packing the weights, dispatch);
+  prompt once, then each completion up to its length, no padding, less the inputs it
+  opens with alike an earlier completion of its group: `shared_inputs`), so each
+  linear layer is one GEMM over N rows, where per-group, per-length passes made many
+  small ones whose cost is mostly fixed (packing the weights, dispatch);
 - only attention sees the structure: each prompt attends causally to itself, and each
-  completion to its prompt and its own earlier tokens, in length buckets;
+  completion to its prompt and its own earlier tokens (wherever they sit);
 - the vocabulary-wide output head runs only at the positions that count (within
   `lengths`, and on `mask` when given), in row chunks that are recomputed in the
   backward pass (`mx.checkpoint`), so logits never exceed `chunk_floats` floats.
@@ -235,51 +236,112 @@ def _placed(values: mx.array, flat: np.ndarray, shape: tuple[int, int]) -> mx.ar
     return mx.concatenate([values, mx.zeros((1,))])[mx.array(back)].reshape(shape)
 
 
+# A completion that begins with at least this many of the same inputs as an earlier one
+# of its group takes their positions from it instead of running them again
+# (`shared_inputs`); below this, the saving is not worth another run in the layout.
+MIN_SHARED_INPUTS = 8
+
+
+def shared_inputs(
+    completions: np.ndarray, lengths: list[int], g: int, least: int | None = None
+) -> list[tuple[int, int] | None]:
+    """Per row, None, or (an earlier row of its group, how many first inputs the two
+    share) where that is `least` or more (default `MIN_SHARED_INPUTS`): the earlier row
+    with the most. A row's inputs are its first length - 1 tokens; positions that hold
+    the same inputs after the same prompt compute the same hidden states (attention is
+    causal), so the row needs its own positions only from where it departs. Episodes of
+    a multi-turn group that open with the same actions share those turns and the
+    environment's answers to them.
+
+    >>> rows = np.array([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 7, 8, 3], [4, 6, 7, 8, 9]])
+    >>> shared_inputs(rows, [5, 5, 5, 5], 4, least=2)
+    [None, (0, 3), (0, 4), None]
+    >>> shared_inputs(rows, [5, 5, 5, 5], 2, least=2)  # two groups: no sharing across them
+    [None, (0, 3), None, None]
+    """
+    least = MIN_SHARED_INPUTS if least is None else least
+    out: list[tuple[int, int] | None] = []
+    for r, length in enumerate(lengths):
+        best = None
+        for i in range(r - r % g, r):
+            m = min(length, lengths[i]) - 1
+            if m < max(least, 1):
+                continue
+            same = completions[r, :m] == completions[i, :m]
+            s = m if same.all() else int(np.argmin(same))
+            if s >= least and (best is None or s > best[1]):
+                best = (i, s)
+        out.append(best)
+    return out
+
+
 class _Packed:
     """The layout of one packed pass, and the cache its layers see.
 
     Positions are ordered group by group: the prompt (P tokens, rotary positions
     0..P-1), then each completion's inputs, the tokens that predict its later ones
-    (length - 1 of them, positions P..). The model runs on [N, 1] tokens, a batch of N
-    one-token rows, so that the rotary embedding takes each position's own offset and
-    every linear layer sees N rows. As every layer's cache, this object passes keys
-    and values through and answers the attention (`attend`, reached through
-    `models._fast_sdpa`)."""
+    (length - 1 of them, positions P..), less those it shares with an earlier row
+    (`shared`, from `shared_inputs`): their positions are that row's. The model runs on
+    [N, 1] tokens, a batch of N one-token rows, so that the rotary embedding takes each
+    position's own offset and every linear layer sees N rows. As every layer's cache,
+    this object passes keys and values through and answers the attention (`attend`,
+    reached through `models._fast_sdpa`)."""
 
-    def __init__(self, prompt_lens: list[int], g: int, lengths: list[int]):
+    def __init__(
+        self,
+        prompt_lens: list[int],
+        g: int,
+        lengths: list[int],
+        shared: list[tuple[int, int] | None] | None = None,
+    ):
+        shared = shared or [None] * len(lengths)
         positions = []
-        # per group: the prompt's (start, length), its completions' buckets (each a
-        # list of (start, inputs) and its width), and, in row order, each row with
-        # inputs as ((bucket, place in it), inputs)
+        # per group: the prompt's (start, length), its completions' buckets (each a list
+        # of rows, a row as the runs of positions that hold its inputs, and the bucket's
+        # width), and, in row order, each row with own positions as ((bucket, place in
+        # it), shared inputs, own inputs)
         self.plan = []
-        # per position, the keys it sees (native.packed_attention): its prompt's first
-        # position and length (0 for a prompt position), its own sequence's first position
+        # per row, the runs (first position, count) that hold its inputs, in order
+        self.runs: list[list[tuple[int, int]]] = []
+        # per position, the runs of keys it sees before its own (its prompt's, then those
+        # of the inputs its row shares) and its own run's first position
         seen = []
         start = 0  # of the next position
-        self.prompt_end, self.row_start = [], []
+        self.prompt_end = []
         for b, p in enumerate(prompt_lens):
             rows = [max(lengths[b * g + j] - 1, 0) for j in range(g)]
             prompt = (start, p)
             positions.append(np.arange(p))
-            seen += [(start, 0, start)] * p
+            seen.append(([], start, p))
             start += p
             self.prompt_end.append(start)
-            starts = []
-            for m in rows:
-                starts.append(start)
-                positions.append(np.arange(p, p + m))
-                seen += [(prompt[0], p, start)] * m
-                start += m
-            self.row_start += starts
+            taken = []
+            for j, m in enumerate(rows):
+                r = b * g + j
+                s = 0 if shared[r] is None else shared[r][1]
+                before = [] if s == 0 else _first_inputs(self.runs[shared[r][0]], s)
+                positions.append(np.arange(p + s, p + m))
+                seen.append(([prompt, *before], start, m - s))
+                self.runs.append([*before, (start, m - s)] if m > s else before)
+                taken.append(s)
+                start += m - s
             buckets, where = [], [None] * g
             for bucket in length_buckets(rows):
                 for i, j in enumerate(bucket):
                     where[j] = (len(buckets), i)
                 width = max(rows[j] for j in bucket)
-                buckets.append(([(starts[j], rows[j]) for j in bucket], width))
-            self.plan.append((prompt, buckets, [(w, rows[j]) for j, w in enumerate(where) if w]))
+                buckets.append(([self.runs[b * g + j] for j in bucket], width))
+            order = [(w, taken[j], rows[j] - taken[j]) for j, w in enumerate(where) if w]
+            self.plan.append((prompt, buckets, [x for x in order if x[2] > 0]))
         self.offset = mx.array(np.concatenate(positions).astype(np.int32))
-        self.seen = mx.array(np.array(seen, dtype=np.int32).reshape(-1, 3))
+        width = max(len(runs) for runs, _, _ in seen)
+        meta = np.zeros((start, 2 * width + 1), np.int32)
+        at = 0
+        for runs, own, count in seen:
+            row = [x for run in runs for x in run] + [0, 0] * (width - len(runs)) + [own]
+            meta[at : at + count] = row
+            at += count
+        self.seen = mx.array(meta)
 
     def update_and_fetch(self, keys, values):
         return keys, values
@@ -291,16 +353,21 @@ class _Packed:
         """Attention of every position ([N, H, 1, D] queries, [N, Hkv, 1, D] keys and
         values) to its own prompt and its own row's earlier positions: one op where the
         native one loaded (`mlx_grpo.native`, Linux CPUs). Otherwise, with MLX's ops, rows
-        are cut out as slices and padded at their end (after what the padding could
-        affect, the mask being causal), not gathered: a gather's backward is a scatter,
-        which costs a CPU twice as much."""
+        are cut out as slices (a row that shares inputs with an earlier one also takes
+        those positions, whose outputs it drops) and padded at their end (after what the
+        padding could affect, the mask being causal), not gathered: a gather's backward is
+        a scatter, which costs a CPU twice as much."""
         q, k, v = queries[:, :, 0], keys[:, :, 0], values[:, :, 0]
         out = native.packed_attention(q, k, v, self.seen, scale)
         if out is not None:
             return out[:, :, None]
 
         def block(x, rows, width):  # [n, H, width, D]
-            parts = [mx.pad(x[s : s + m], [(0, width - m), (0, 0), (0, 0)]) for s, m in rows]
+            parts = []
+            for runs in rows:
+                row = mx.concatenate([x[f : f + c] for f, c in runs]) if len(runs) > 1 else None
+                row = x[runs[0][0] : runs[0][0] + runs[0][1]] if row is None else row
+                parts.append(mx.pad(row, [(0, width - row.shape[0]), (0, 0), (0, 0)]))
             return mx.stack(parts).transpose(0, 2, 1, 3)
 
         outs = []
@@ -319,8 +386,30 @@ class _Packed:
                 )
                 o = fastmath.attention(block(q, rows, width), kr, vr, scale, "causal")
                 done.append(o.transpose(0, 2, 1, 3))  # [n, width, H, D]
-            outs += [done[bucket][i, :m] for (bucket, i), m in order]
+            outs += [done[bucket][i, s : s + m] for (bucket, i), s, m in order]
         return mx.concatenate(outs)[:, :, None]
+
+    def input_positions(self, r: int) -> np.ndarray:
+        """The positions that hold row r's inputs, in order."""
+        parts = [np.arange(f, f + c) for f, c in self.runs[r]]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _draws_dropout(model: nn.Module) -> bool:
+    """Whether a pass draws dropout masks (LoRA dropout while training): every position
+    then has draws of its own, and no row's positions are another's to share."""
+    return any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1 for m in model.modules())
+
+
+def _first_inputs(runs: list[tuple[int, int]], s: int) -> list[tuple[int, int]]:
+    """The runs of positions that hold the first `s` inputs of a row held by `runs`."""
+    out = []
+    for f, c in runs:
+        if s <= 0:
+            break
+        out.append((f, min(c, s)))
+        s -= c
+    return out
 
 
 def _packable(model: nn.Module) -> bool:
@@ -337,19 +426,23 @@ def _packed_logprobs(
     """`completion_logprobs` in one packed pass (see `_Packed`)."""
     n, c = completions.shape
     g = n // len(prompts)
-    layout = _Packed([len(p) for p in prompts], g, lengths)
     comp = np.array(completions)
+    shared = [None] * n if _draws_dropout(model) else shared_inputs(comp, lengths, g)
+    layout = _Packed([len(p) for p in prompts], g, lengths, shared)
     tokens, source, flat = [], [], []
     for b, prompt in enumerate(prompts):
         tokens.append(np.array(prompt))
         for r in range(b * g, (b + 1) * g):
-            tokens.append(comp[r, : max(lengths[r] - 1, 0)])
-            # position j of row r is predicted by the prompt's last (j = 0) or the row's
-            # input j - 1
+            tokens.append(
+                comp[r, 0 if shared[r] is None else shared[r][1] : max(lengths[r] - 1, 0)]
+            )
+            # position j of row r is predicted by the prompt's last (j = 0) or the
+            # position of the row's input j - 1
             j = np.arange(lengths[r])
             if on is not None:
                 j = j[on[r, : lengths[r]]]
-            source.append(np.where(j == 0, layout.prompt_end[b] - 1, layout.row_start[r] + j - 1))
+            before = np.concatenate([[layout.prompt_end[b] - 1], layout.input_positions(r)])
+            source.append(before[j])
             flat.append(r * c + j)
     source, flat = np.concatenate(source), np.concatenate(flat)
     if len(flat) == 0:

@@ -40,7 +40,8 @@ BUILD_TIMEOUT_S = 300
 PROBE_TIMEOUT_S = 120
 
 # Runs in a child process: argv = [module file]. Packed attention over two groups (a
-# prompt, then rows of inputs, one of them empty) with grouped heads, and its gradient;
+# prompt, then rows of inputs, one of them empty, two of them seeing an earlier row's
+# first inputs) with grouped heads, and its gradient;
 # a decode step over columns some rows do not see; SwiGLU and its gradient; each against
 # float64. Prints one JSON line, or dies trying.
 PROBE = r"""
@@ -51,12 +52,17 @@ lib = importlib.util.module_from_spec(spec); spec.loader.exec_module(lib)
 import mlx.core as mx
 mx.set_default_device(mx.cpu)
 rng = np.random.default_rng(0)
+# per group, a prompt length and rows of (inputs, shared): shared is None or (an earlier
+# row, how many of its first inputs this row sees before its own)
 meta, start = [], 0
-for p, rows in ((5, (3, 0, 4)), (4, (2, 2))):
-    meta += [(start, 0, start)] * p
-    prompt, start = start, start + p
-    for m in rows:
-        meta += [(prompt, p, start)] * m
+for p, rows in ((5, ((3, None), (0, None), (4, None), (2, (0, 2)), (1, (3, 1)))),
+                (4, ((2, None), (2, None)))):
+    meta += [(start, 0, 0, 0, start)] * p
+    prompt, start, firsts = start, start + p, []
+    for m, shared in rows:
+        mid = (0, 0) if shared is None else (firsts[shared[0]], shared[1])
+        meta += [(prompt, p, *mid, start)] * m
+        firsts.append(start)
         start += m
 n, h, hk = start, 6, 2
 meta = np.array(meta, np.int32)
@@ -65,7 +71,8 @@ errors = []
 def ref(q, k, v):
     out, grads = np.zeros((n, h, d)), [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)]
     for i in range(n):
-        keys = list(range(meta[i, 0], meta[i, 0] + meta[i, 1])) + list(range(meta[i, 2], i + 1))
+        keys = [j for r in (0, 2) for j in range(meta[i, r], meta[i, r] + meta[i, r + 1])]
+        keys += list(range(meta[i, 4], i + 1))
         for a in range(h):
             kk, vv = k[keys, a // (h // hk)], v[keys, a // (h // hk)]
             s = kk @ q[i, a] * scale
@@ -253,10 +260,10 @@ def _runs(*arrays: mx.array) -> bool:
 
 def packed_attention(q: mx.array, k: mx.array, v: mx.array, meta: mx.array, scale: float):
     """softmax(q k^T scale) v over the keys each position sees: q [N, H, D], k and v
-    [N, Hkv, D], meta [N, 3] int32 (per position: its prompt's first row, the prompt's
-    length, its own sequence's first row; it sees the prompt and its own sequence up
-    to itself). None where the extension is not loaded or the arrays are not float32
-    on the CPU."""
+    [N, Hkv, D], meta [N, 2R + 1] int32 (per position: R runs of rows it sees, each as
+    its first row and length, 0 for none; then its own run's first row: it sees the R
+    runs and its own run up to itself). None where the extension is not loaded or the
+    arrays are not float32 on the CPU."""
     if not _runs(q, k, v) or meta.dtype != mx.int32:
         return None
     return module().packed_attention(q, k, v, meta, scale)

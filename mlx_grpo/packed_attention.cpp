@@ -1,10 +1,12 @@
 // Packed attention as one MLX primitive on the CPU (mlx_grpo/native.py).
 //
 // The update's packed pass (logprobs._Packed) holds every position of a micro-batch once,
-// as rows of [N, heads, head_dim]: each group's prompt, then each completion's inputs. A
-// position attends to the keys of two runs of rows: its prompt (none for a prompt
-// position) and its own sequence up to itself. `meta` [N, 3] (int32) holds, per position,
-// the prompt's first row, the prompt's length and its own sequence's first row.
+// as rows of [N, heads, head_dim]: each group's prompt, then each completion's inputs
+// (those it does not share with an earlier completion of its group). A position attends
+// to the keys of R runs of rows, then of its own run up to itself: its prompt (no run for
+// a prompt position), then the runs of the earlier completions whose first inputs it
+// shares, then its own. `meta` [N, 2R + 1] (int32) holds, per position, each run's first
+// row and length (length 0: no run), then its own run's first row.
 //
 // Built from MLX's own ops, that attention is hundreds of small ops a layer (a layout of
 // rows into padded blocks, scores, masks, an exp, their gradients), each dispatched on its
@@ -160,26 +162,37 @@ struct Head {
 struct Shape {
   int n, h, hk, d;
   float scale;
+  int runs;  // R: meta is [n, 2R + 1]
 };
 
-// Throws unless every position's keys lie within the batch: its prompt's run inside
-// [0, n), its own sequence starting at or before itself (no write past `rows` or dk, dv).
-inline void check_meta(const int32_t* meta, int n) {
+// Throws unless every position's keys lie within the batch: each run inside [0, n), its
+// own run starting at or before itself, and n keys at most in all (no write past `rows`
+// or dk, dv).
+inline void check_meta(const int32_t* meta, int n, int runs) {
+  const int width = 2 * runs + 1;
   for (int i = 0; i < n; i++) {
-    const int32_t* m = meta + 3 * i;
-    if (m[0] < 0 || m[1] < 0 || m[0] > n - m[1] || m[2] < 0 || m[2] > i || m[1] > n - (i - m[2] + 1))
+    const int32_t* m = meta + (size_t)width * i;
+    const int32_t own = m[2 * runs];
+    bool ok = own >= 0 && own <= i;
+    int64_t keys = (int64_t)i - own + 1;
+    for (int r = 0; r < runs && ok; r++) {
+      ok = m[2 * r] >= 0 && m[2 * r + 1] >= 0 && m[2 * r] <= n - m[2 * r + 1];
+      keys += m[2 * r + 1];
+    }
+    if (!ok || keys > n)
       throw std::invalid_argument("packed_attention: meta row " + std::to_string(i) +
                                   " names keys outside the batch");
   }
 }
 
-// The rows of the keys position i sees (its prompt's, then its own sequence's up to
-// itself), into `rows`; returns how many.
-inline int keys_of(const int32_t* meta, int i, int* rows) {
-  const int32_t* m = meta + 3 * i;
+// The rows of the keys position i sees (each run's, then its own run's up to itself),
+// into `rows`; returns how many.
+inline int keys_of(const int32_t* meta, int runs, int i, int* rows) {
+  const int32_t* m = meta + (size_t)(2 * runs + 1) * i;
   int nk = 0;
-  for (int j = m[0]; j < m[0] + m[1]; j++) rows[nk++] = j;
-  for (int j = m[2]; j <= i; j++) rows[nk++] = j;
+  for (int r = 0; r < runs; r++)
+    for (int j = m[2 * r]; j < m[2 * r] + m[2 * r + 1]; j++) rows[nk++] = j;
+  for (int j = m[2 * runs]; j <= i; j++) rows[nk++] = j;
   return nk;
 }
 
@@ -187,7 +200,7 @@ template <int W>
 void forward(const float* q, const float* k, const float* v, const int32_t* meta, float* out,
              float* lse, Shape s) {
   using H = Head<W>;
-  check_meta(meta, s.n);
+  check_meta(meta, s.n, s.runs);
   const int rep = s.h / s.hk, d = s.d;
   const size_t step = (size_t)s.hk * d;
   std::vector<float> p(s.n);
@@ -195,7 +208,7 @@ void forward(const float* q, const float* k, const float* v, const int32_t* meta
   // key head by key head, so that one head's keys and values stay in cache
   for (int kh = 0; kh < s.hk; kh++)
   for (int i = 0; i < s.n; i++) {
-    const int nk = keys_of(meta, i, rows.data());
+    const int nk = keys_of(meta, s.runs, i, rows.data());
     for (int hh = kh * rep; hh < (kh + 1) * rep; hh++) {
       const size_t row = (size_t)i * s.h + hh, head = (size_t)kh * d;
       H::dots(q + row * d, k + head, rows.data(), nk, step, d, p.data());
@@ -222,7 +235,7 @@ void backward(const float* q, const float* k, const float* v, const int32_t* met
               const float* out, const float* lse, const float* dout, float* dq, float* dk,
               float* dv, Shape s) {
   using H = Head<W>;
-  check_meta(meta, s.n);
+  check_meta(meta, s.n, s.runs);
   const int rep = s.h / s.hk, d = s.d;
   const size_t step = (size_t)s.hk * d;
   std::memset(dk, 0, sizeof(float) * (size_t)s.n * s.hk * d);
@@ -232,7 +245,7 @@ void backward(const float* q, const float* k, const float* v, const int32_t* met
   // key head by key head, so that one head's keys, values and their gradients stay in cache
   for (int kh = 0; kh < s.hk; kh++)
   for (int i = 0; i < s.n; i++) {
-    const int nk = keys_of(meta, i, rows.data());
+    const int nk = keys_of(meta, s.runs, i, rows.data());
     for (int hh = kh * rep; hh < (kh + 1) * rep; hh++) {
       const size_t row = (size_t)i * s.h + hh, head = (size_t)kh * d;
       const float *qi = q + row * d, *doi = dout + row * d;
@@ -314,8 +327,8 @@ void backward_any(Shape s, A... a) {
   s.d == 64 ? backward<8>(a..., s) : s.d == 128 ? backward<16>(a..., s) : backward<0>(a..., s);
 }
 
-Shape shape_of(const mx::array& q, const mx::array& k, float scale) {
-  return {q.shape(0), q.shape(1), k.shape(1), q.shape(2), scale};
+Shape shape_of(const mx::array& q, const mx::array& k, const mx::array& meta, float scale) {
+  return {q.shape(0), q.shape(1), k.shape(1), q.shape(2), scale, (meta.shape(1) - 1) / 2};
 }
 
 // An input's elements in row-major order: its own buffer where it is row-contiguous (as
@@ -394,7 +407,7 @@ class PackedAttentionVJP : public CpuPrimitive {
          meta = Dense<int32_t>(in[3]), out = Dense<float>(in[4]), lse = Dense<float>(in[5]),
          dout = Dense<float>(in[6]), dq = outputs[0].data<float>(),
          dk = outputs[1].data<float>(), dv = outputs[2].data<float>(),
-         s = shape_of(in[0], in[1], scale_)]() mutable {
+         s = shape_of(in[0], in[1], in[3], scale_)]() mutable {
           backward_any(s, q.get(), k.get(), v.get(), meta.get(), out.get(), lse.get(),
                        dout.get(), dq, dk, dv);
         });
@@ -420,7 +433,7 @@ class PackedAttention : public CpuPrimitive {
     enc.dispatch(
         [q = Dense<float>(in[0]), k = Dense<float>(in[1]), v = Dense<float>(in[2]),
          meta = Dense<int32_t>(in[3]), out = outputs[0].data<float>(),
-         lse = outputs[1].data<float>(), s = shape_of(in[0], in[1], scale_)]() mutable {
+         lse = outputs[1].data<float>(), s = shape_of(in[0], in[1], in[3], scale_)]() mutable {
           forward_any(s, q.get(), k.get(), v.get(), meta.get(), out, lse);
         });
   }
@@ -547,10 +560,11 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 mx::array packed_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const mx::array& meta, float scale) {
   if (q.ndim() != 3 || k.ndim() != 3 || v.shape() != k.shape() || meta.ndim() != 2 ||
-      meta.shape(1) != 3 || q.shape(0) != k.shape(0) || meta.shape(0) != q.shape(0) ||
+      meta.shape(1) % 2 != 1 || q.shape(0) != k.shape(0) || meta.shape(0) != q.shape(0) ||
       q.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
     throw std::invalid_argument(
-        "packed_attention: q [N, H, D], k and v [N, Hkv, D] (H a multiple of Hkv), meta [N, 3]");
+        "packed_attention: q [N, H, D], k and v [N, Hkv, D] (H a multiple of Hkv), "
+        "meta [N, 2R + 1]");
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
       meta.dtype() != mx::int32)
     throw std::invalid_argument("packed_attention: float32 q, k, v and int32 meta");

@@ -391,13 +391,17 @@ def test_a_library_build_is_announced_once_on_stderr(tmp_path, monkeypatch, capf
 
 
 def _packed_layout(groups):
-    """(meta [N, 3], N) for groups of (prompt length, [row input lengths])."""
+    """(meta [N, 5], N) for groups of (prompt length, rows): a row is its count of
+    positions, or (that count, (an earlier row of the group, how many of its first
+    positions this row sees between its prompt and its own))."""
     meta, start = [], 0
     for p, rows in groups:
-        meta += [(start, 0, start)] * p
-        prompt, start = start, start + p
-        for m in rows:
-            meta += [(prompt, p, start)] * m
+        meta += [(start, 0, 0, 0, start)] * p
+        prompt, start, firsts = start, start + p, []
+        for row in rows:
+            m, (i, s) = (row, (0, 0)) if isinstance(row, int) else row
+            meta += [(prompt, p, firsts[i] if s else 0, s, start)] * m
+            firsts.append(start)
             start += m
     return np.array(meta, np.int32), start
 
@@ -408,13 +412,14 @@ def test_native_packed_attention_and_its_gradient_match_float64(d):
     as dense attention of that one query over every position with the others masked
     (_attention64, one batch row per query), values and gradients within the rounding
     budget of those sums; keys and values gather their gradient from every query that
-    sees them. Two groups, grouped heads, an empty row and a prompt of one token; up to
-    11 keys a query (the four-at-a-time loop and its tail)."""
+    sees them. Two groups, grouped heads, an empty row, rows that see an earlier row's
+    first positions between their prompt and their own, and a prompt of one token; up
+    to 11 keys a query (the four-at-a-time loop and its tail)."""
     from mlx_grpo import native
 
     if native.module() is None:
         pytest.skip(f"no native packed attention here: {native.why()}")
-    meta, n = _packed_layout([(5, [4, 0, 6]), (1, [3, 1]), (3, [])])
+    meta, n = _packed_layout([(5, [4, 0, 6, (2, (0, 3))]), (1, [3, 1, (2, (0, 2))]), (3, [])])
     hq, hkv, scale = 6, 2, d**-0.5
     rng = np.random.default_rng(11)
     q = rng.normal(0, 2, (n, hq, d)).astype(np.float32)
@@ -422,8 +427,9 @@ def test_native_packed_attention_and_its_gradient_match_float64(d):
     v = rng.normal(0, 1, (n, hkv, d)).astype(np.float32)
     d_out = rng.normal(0, 1, (n, hq, d)).astype(np.float32)
     sees = np.zeros((n, 1, 1, n), bool)
-    for i, (start, plen, own) in enumerate(meta):
+    for i, (start, plen, first, shared, own) in enumerate(meta):
         sees[i, 0, 0, start : start + plen] = True
+        sees[i, 0, 0, first : first + shared] = True
         sees[i, 0, 0, own : i + 1] = True
 
     def f(q, k, v):
@@ -532,3 +538,9 @@ def test_native_packed_attention_refuses_keys_outside_the_batch():
         mx.eval(native.packed_attention(q, kv, kv, bad, 1.0))
     good = mx.array(np.array([[0, 0, 0], [0, 0, 0], [0, 2, 2], [0, 2, 2]], np.int32))
     assert mx.array_equal(native.packed_attention(q, kv, kv, good, 1.0), q).item()
+    # runs that each lie inside the batch but name more keys than it holds, in all
+    overlapping = np.array([[0, 0, 0, 0, 0]] * 3 + [[0, 3, 0, 3, 3]], np.int32)
+    with pytest.raises(RuntimeError, match="meta row 3 names keys outside the batch"):
+        mx.eval(native.packed_attention(q, kv, kv, mx.array(overlapping), 1.0))
+    with pytest.raises(ValueError, match=r"meta \[N, 2R \+ 1\]"):
+        native.packed_attention(q, kv, kv, mx.array(np.zeros((4, 2), np.int32)), 1.0)

@@ -11,12 +11,13 @@ import pytest
 from conftest import assert_f32_close, f32_tolerance, tiny_additions
 from mlx.utils import tree_flatten, tree_map
 
-from mlx_grpo import native
+from mlx_grpo import logprobs, native
 from mlx_grpo.config import GRPOConfig, LoRAConfig
 from mlx_grpo.grpo import (
     LossInputs,
     aggregate,
     group_advantages,
+    group_positions,
     grpo_loss,
     lane_pieces,
     micro_batches,
@@ -29,8 +30,11 @@ from mlx_grpo.grpo import (
 from mlx_grpo.logprobs import (
     SPARSE_HEAD_SHARE,
     _packable,
+    _Packed,
     _splittable,
     completion_logprobs,
+    effective_lengths,
+    shared_inputs,
 )
 from mlx_grpo.models import (
     adapters_disabled,
@@ -390,24 +394,111 @@ def test_logprob_gradients_equal_full_passes_through_mlx_log_softmax(tiny_lp):
     def shared(m):
         return (completion_logprobs(m, prompts, comp)[0] * weights * mask).sum()
 
-    def full(m):
-        g = comp.shape[0] // len(prompts)
-        total = mx.array(0.0)
-        for i in range(comp.shape[0]):
-            p = prompts[i // g]
-            logits = m(mx.concatenate([p, comp[i]])[None])[0, p.shape[0] - 1 : -1]
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            picked = mx.take_along_axis(lp, comp[i][:, None], axis=-1)[:, 0]
-            total = total + (picked * weights[i] * mask[i]).sum()
-        return total
-
     v1, g1 = nn.value_and_grad(model, shared)(model)
-    v2, g2 = nn.value_and_grad(model, full)(model)
+    v2, g2 = nn.value_and_grad(model, lambda m: _full_passes(m, prompts, comp, weights, mask))(
+        model
+    )
     n = tiny_additions(vars(model.args))
     assert_f32_close(v1, v2, n, "value")
     for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
         assert_f32_close(a, b, n, k)
     assert any(mx.abs(a).max().item() > 0 for _, a in tree_flatten(g1))
+
+
+def _full_passes(m, prompts, comp, weights, mask):
+    """sum of weights * mask * log p(token) over every completion token, each row a full
+    pass of the model through MLX's own logsumexp: the reference of the shared passes."""
+    g = comp.shape[0] // len(prompts)
+    total = mx.array(0.0)
+    for i in range(comp.shape[0]):
+        p = prompts[i // g]
+        logits = m(mx.concatenate([p, comp[i]])[None])[0, p.shape[0] - 1 : -1]
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = mx.take_along_axis(lp, comp[i][:, None], axis=-1)[:, 0]
+        total = total + (picked * weights[i] * mask[i]).sum()
+    return total
+
+
+def _alike_openings():
+    """Two groups of four rows, some opening with an earlier row's tokens, as episodes
+    of a multi-turn group that take the same first actions do: row 1 departs from row 0
+    after 5 tokens; row 2 from row 1 after 7 (5 of them row 0's); row 3 is row 0's
+    first 7 tokens; rows 5 and 7 open with row 4's first 4. The loss mask has holes (the
+    environment's tokens) and ends at each row's length."""
+    rng = np.random.default_rng(8)
+    prompts = [mx.array(rng.integers(3, 200, size=p).tolist()) for p in (5, 9)]
+    comp = rng.integers(3, 200, size=(8, 10)).astype(np.int32)
+    comp[1, :5] = comp[0, :5]
+    comp[2, :7] = comp[1, :7]
+    comp[3, :7] = comp[0, :7]
+    comp[5, :4] = comp[7, :4] = comp[4, :4]
+    lens = np.array([10, 9, 10, 7, 10, 8, 6, 10])
+    cols = np.arange(10)[None]
+    comp[cols >= lens[:, None]] = 0
+    mask = (cols < lens[:, None]) & ((cols % 4 != 2) | (cols == lens[:, None] - 1))
+    return prompts, mx.array(comp), mx.array(mask.astype(np.float32))
+
+
+def test_rows_that_open_alike_share_positions_and_give_full_pass_values_and_gradients(
+    tiny_lp, monkeypatch
+):
+    """A row whose first inputs are an earlier row's of its group takes their positions
+    in the packed pass (and a row that shares a departing row's takes those of both)
+    instead of running them again: the same log-probs and gradients as full passes of
+    every row, within float32 rounding."""
+    model, _ = tiny_lp
+    monkeypatch.setattr(logprobs, "MIN_SHARED_INPUTS", 2)
+    apply_lora(model, LoRAConfig(rank=4), seed=6)
+    _randomize_lora_b(model)
+    prompts, comp, mask = _alike_openings()
+    lengths = effective_lengths(mask)
+    shared = shared_inputs(np.array(comp), lengths, 4)
+    assert shared == [None, (0, 5), (1, 7), (0, 6), None, (4, 4), None, (4, 4)]
+    layout = _Packed([5, 9], 4, lengths, shared)
+    inputs = sum(n - 1 for n in lengths)
+    assert layout.offset.shape[0] == 5 + 9 + inputs - (5 + 7 + 6 + 4 + 4)
+    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
+
+    def packed(m):
+        lp, ent = completion_logprobs(m, prompts, comp, mask=mask)
+        return (lp * weights * mask).sum(), lp * mask
+
+    (v1, lp1), g1 = nn.value_and_grad(model, packed)(model)
+    v2, g2 = nn.value_and_grad(model, lambda m: _full_passes(m, prompts, comp, weights, mask))(
+        model
+    )
+    n = tiny_additions(vars(model.args))
+    assert_f32_close(v1, v2, n, "value")
+    for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
+        assert_f32_close(a, b, n, k)
+    assert any(mx.abs(a).max().item() > 0 for _, a in tree_flatten(g1))
+    monkeypatch.setattr(logprobs, "MIN_SHARED_INPUTS", 1 << 30)  # every row its own positions
+    (_, lp_apart), _ = nn.value_and_grad(model, packed)(model)
+    assert_f32_close(lp1, lp_apart, n, "log-probs shared and apart")
+
+
+def test_rows_share_no_positions_while_lora_dropout_draws(tiny, monkeypatch):
+    """Under LoRA dropout each position draws its own mask, so no row takes another's
+    positions while training; in evaluation (no draws) the same rows share."""
+    model, _ = tiny
+    use_fast_attention(model)
+    monkeypatch.setattr(logprobs, "MIN_SHARED_INPUTS", 2)
+    apply_lora(model, LoRAConfig(rank=4, dropout=0.3), seed=6)
+    prompts, comp, mask = _alike_openings()
+    seen = []
+    real = _Packed.__init__
+
+    def spy(self, prompt_lens, g, lengths, shared=None):
+        seen.append(shared)
+        real(self, prompt_lens, g, lengths, shared)
+
+    monkeypatch.setattr(_Packed, "__init__", spy)
+    model.train()
+    completion_logprobs(model, prompts, comp, mask=mask)
+    model.eval()
+    completion_logprobs(model, prompts, comp, mask=mask)
+    assert seen[0] == [None] * 8
+    assert seen[1] == [None, (0, 5), (1, 7), (0, 6), None, (4, 4), None, (4, 4)]
 
 
 def test_chunked_logprobs_and_gradients_equal_unchunked(tiny_lp):
@@ -589,6 +680,21 @@ def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny_lp, l
             assert_f32_close(split[k], whole[k], n, k)
         for k in g_whole:
             assert_f32_close(g_split[k], g_whole[k], n, k)
+
+
+def test_micro_batches_count_a_group_by_the_positions_its_rows_do_not_share(monkeypatch):
+    """A group whose rows open alike runs fewer positions (`logprobs.shared_inputs`), and
+    micro-batches are cut by what the packed pass runs: prompt, then each row up to its
+    last loss token less what it shares."""
+    monkeypatch.setattr(logprobs, "MIN_SHARED_INPUTS", 2)
+    prompts, comp, mask = _alike_openings()
+    batch = LossInputs(prompts, comp, mask, mx.zeros(8), None, None, 10)
+    lengths = effective_lengths(mask)  # [10, 9, 10, 7] and [10, 8, 6, 10]
+    assert group_positions(batch, lengths) == [5 + 36 - (5 + 7 + 6), 9 + 34 - (4 + 4)]
+    assert micro_batches(batch, 58)[0] is batch
+    monkeypatch.setattr(logprobs, "MIN_SHARED_INPUTS", 1 << 30)
+    assert group_positions(batch, lengths) == [41, 43]
+    assert [len(p.prompts) for p in micro_batches(batch, 58)] == [1, 1]
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "turn"])

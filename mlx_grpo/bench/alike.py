@@ -7,9 +7,10 @@ training tasks x G episodes with the run's rollout settings and keyed samplers, 
 updates on the groups with reward variance (at most the run's batch size): the reference
 pass and the policy gradient. Each rep runs it twice on the same keys, first with every
 episode's prefill and every row of the update computed on its own, then with
-`rollout.share_tails` and `trainer.fold_alike_rows` on, and prints both times, the
-episodes' turns, the loss and the gradient norm (the same in both, up to float32
-rounding).
+`rollout.share_tails`, `trainer.fold_alike_rows` and the update's shared inputs
+(`logprobs.shared_inputs`: rows that open alike run those positions once) on, and
+prints both times, the episodes' turns, the loss and the gradient norm (the same in
+both, up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+import mlx_grpo.logprobs as logprobs_mod
 import mlx_grpo.rollout as rollout_mod
 import mlx_grpo.trainer as trainer_mod
 from mlx_grpo.dist import Dist
@@ -49,12 +51,13 @@ def main(argv=None) -> int:
         pool = [t for t in pool if t.level in cfg.curriculum.levels]
     pick = np.random.default_rng(7).choice(len(pool), min(args.groups, len(pool)), replace=False)
     tasks = [pool[i] for i in pick]
-    share = rollout_mod.share_tails
+    share, least = rollout_mod.share_tails, logprobs_mod.MIN_SHARED_INPUTS
     grad_fn = nn.value_and_grad(model, lambda m, b: grpo_loss(m, b, cfg.grpo))
     try:
         for rep in range(args.reps):
             for on in (False, True):
                 rollout_mod.share_tails = share if on else (lambda *a: 0)
+                logprobs_mod.MIN_SHARED_INPUTS = least if on else 1 << 30
                 keys = mx.random.split(mx.random.key(11 + rep), len(tasks) * g)
                 samplers = rollout_mod.keyed_samplers(cfg.rollout, keys)
                 model.eval()
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     finally:
-        rollout_mod.share_tails = share
+        rollout_mod.share_tails, logprobs_mod.MIN_SHARED_INPUTS = share, least
     return 0
 
 
