@@ -315,8 +315,9 @@ class GRPOConfig(_Section):
         1 << 25,
         ge=1 << 16,
         description="Compute log-probs in row chunks so no logits tensor exceeds this "
-        "many floats (2^25: 128 MB in float32); when there is more than one chunk, "
-        "each is recomputed in the backward pass.",
+        "many floats (2^25: 128 MB in float32). Each chunk yields its log-probs' gradient "
+        "with its forward; with an entropy bonus, or an output head that trains, the "
+        "chunks are recomputed in the backward pass instead.",
     )
     micro_batch_tokens: int | None = Field(
         4096,

@@ -13,8 +13,9 @@ qwen3), the whole micro-batch is one packed pass (`_Packed`):
 - only attention sees the structure: each prompt attends causally to itself, and each
   completion to its prompt and its own earlier tokens (wherever they sit);
 - the vocabulary-wide output head runs only at the positions that count (within
-  `lengths`, and on `mask` when given), in row chunks that are recomputed in the
-  backward pass (`mx.checkpoint`), so logits never exceed `chunk_floats` floats.
+  `lengths`, and on `mask` when given), in row chunks of at most `chunk_floats`
+  logits, each of which also yields its log-probs' gradient with respect to the hidden
+  states (`_head_chunk`), so no logits outlive their chunk or are computed twice.
 Other models with plain KV caches run group by group: the prompt once, its keys and
 values shared by the group's completions (`_PrefixCache`), the completions in length
 buckets. Each path has a test against full passes of the model through MLX's own
@@ -190,21 +191,79 @@ def _group_logprobs(
 
 def _head_logprobs(head, hidden, targets, chunk_floats, vocab, entropy_grad=False):
     """Log-probs and entropies from hidden states, in row chunks of at most
-    `chunk_floats` logits that are recomputed in the backward pass (mx.checkpoint)."""
+    `chunk_floats` logits. `entropy_grad`: True where both carry a gradient, False
+    where the log-probs alone do, None where no gradient is taken (the forward alone).
+
+    For the log-probs' gradient alone, through a frozen head (`_frozen_head_weight`),
+    each chunk also computes, while its softmax p is at hand, the gradient of each
+    position's log-prob with respect to its hidden state, W[y] - p W (`_head_chunk`):
+    a [rows, hidden] matrix, so the backward pass is one product with the upstream
+    gradient, and no vocabulary-wide array outlives its chunk. Otherwise the chunks
+    are recomputed in the backward pass (`mx.checkpoint`), which repeats the head's
+    matmul and its vocabulary-wide elementwise work."""
     n, c = targets.shape
+    rows = max(1, chunk_floats // max(1, c * vocab))
+    weight = _frozen_head_weight(head) if entropy_grad is False else None
+    if weight is not None:
+        h, y = hidden.reshape(n * c, -1), targets.reshape(-1)
+        step = max(1, chunk_floats // vocab)
+        parts = [
+            _head_chunk(weight, h[i : i + step], y[i : i + step]) for i in range(0, n * c, step)
+        ]
+        lp = parts[0][0] if len(parts) == 1 else mx.concatenate([p[0] for p in parts])
+        ent = parts[0][1] if len(parts) == 1 else mx.concatenate([p[1] for p in parts])
+        return lp.reshape(n, c), mx.stop_gradient(ent).reshape(n, c)
 
     def chunk(h, y):
-        return _logprobs_of(head(h), y, entropy_grad)
+        return _logprobs_of(head(h), y, bool(entropy_grad))
 
-    rows = max(1, chunk_floats // max(1, c * vocab))
-    if rows >= n:
-        return chunk(hidden, targets)
-    fn = mx.checkpoint(chunk)
-    parts = [fn(hidden[i : i + rows], targets[i : i + rows]) for i in range(0, n, rows)]
+    if rows >= n or entropy_grad is None:
+        parts = [chunk(hidden[i : i + rows], targets[i : i + rows]) for i in range(0, n, rows)]
+    else:  # the head's own trainable parameters pass in, or they would get no gradient
+        fn = nn.utils.checkpoint(getattr(head, "__self__", head), chunk)
+        parts = [fn(hidden[i : i + rows], targets[i : i + rows]) for i in range(0, n, rows)]
+    if len(parts) == 1:
+        return parts[0]
     return (
         mx.concatenate([p[0] for p in parts], axis=0),
         mx.concatenate([p[1] for p in parts], axis=0),
     )
+
+
+def _frozen_head_weight(head) -> mx.array | None:
+    """The [V, hidden] weight of an output head that is a plain product with it (an
+    `nn.Linear` without bias, or an `nn.Embedding`'s `as_linear`) and takes no
+    gradient (frozen); None for any other head (quantized, adapted, biased, trained)."""
+    module = getattr(head, "__self__", head)  # a bound `as_linear`: its embedding
+    plain = type(module) is nn.Linear and "bias" not in module
+    if getattr(head, "__func__", None) is nn.Embedding.as_linear:
+        plain = type(module) is nn.Embedding
+    if not plain or module.trainable_parameters():
+        return None
+    return module.weight
+
+
+@mx.custom_function
+def _head_chunk(weight: mx.array, h: mx.array, y: mx.array):
+    """(log p(y), entropy, d log p(y) / d h) for hidden states h [m, d] and targets y
+    [m] through the head `h @ weight.T`, in float32; the gradient is
+    W[y] - softmax(h W^T) W. As `_logprobs_of`: one exp over the vocabulary."""
+    shifted = (h @ weight.T).astype(mx.float32)
+    shifted = shifted - fastmath.row_max(shifted, keepdims=True)
+    e = fastmath.exp(shifted)
+    total = fastmath.row_sum(e, keepdims=True)
+    log_total = mx.log(total)
+    picked = mx.take_along_axis(shifted, y[:, None], axis=-1)
+    entropy = log_total - fastmath.row_sum(e * shifted, keepdims=True) / total
+    toward = weight[y] - (e * (1.0 / total)).astype(weight.dtype) @ weight
+    return (picked - log_total)[:, 0], entropy[:, 0], toward.astype(h.dtype)
+
+
+@_head_chunk.vjp
+def _head_chunk_vjp(primals, cotangents, outputs):
+    weight, h, y = primals
+    d_h = cotangents[0][:, None].astype(h.dtype) * outputs[2]
+    return mx.zeros_like(weight), d_h, mx.zeros_like(y)
 
 
 # Below this share of loss positions in a bucket, the output head runs only on those
@@ -471,6 +530,7 @@ def completion_logprobs(
     lengths: list[int] | None = None,
     mask: mx.array | None = None,
     entropy_grad: bool = False,
+    grad: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Log-probs and entropies of the completion tokens, [N, C] each.
 
@@ -481,12 +541,13 @@ def completion_logprobs(
     cost nothing and their values are not defined (0, or what their row's bucket
     computed). Each prompt runs once for its whole group, and logits are computed only
     at the positions that predict completion tokens, in row chunks of at most
-    `chunk_floats` logits that are recomputed in the backward pass (mx.checkpoint).
+    `chunk_floats` logits that no backward pass needs again (`_head_logprobs`).
     With `mask` ([N, C], the loss mask), the lengths come from it, and logits are
     computed only on the mask (log-probs and entropies off it are 0): always in the
     packed pass, and in the per-group pass where the mask is sparse (the environment's
     tokens of a multi-turn episode). The entropies carry a gradient only with
-    `entropy_grad`.
+    `entropy_grad`. Without `grad` (a pass no gradient is taken through: the reference
+    pass), the output head does only its forward work.
     """
     n, c = completions.shape
     g = n // len(prompts)
@@ -502,9 +563,10 @@ def completion_logprobs(
         lengths = [c] * n if mask is None else effective_lengths(mask)
     lengths = [min(int(x), c) for x in lengths]
     vocab = _vocab_size(model, head, completions)
+    wanted = entropy_grad if grad else None  # what `_head_logprobs` differentiates
     if _packable(model):
         return _packed_logprobs(
-            model, head, prompts, completions, lengths, on, chunk_floats, vocab, entropy_grad
+            model, head, prompts, completions, lengths, on, chunk_floats, vocab, wanted
         )
     parts = [
         _group_logprobs(
@@ -516,7 +578,7 @@ def completion_logprobs(
             chunk_floats,
             vocab,
             None if on is None else on[b * g : (b + 1) * g],
-            entropy_grad,
+            wanted,
         )
         for b, p in enumerate(prompts)
     ]

@@ -906,7 +906,9 @@ def reference_pass(
     lanes = lanes or Lanes(1)
 
     def piece_logprobs(p: LossInputs) -> mx.array:
-        lp, _ = completion_logprobs(model, p.prompts, p.completions, grpo.logits_chunk, mask=p.mask)
+        lp, _ = completion_logprobs(
+            model, p.prompts, p.completions, grpo.logits_chunk, mask=p.mask, grad=False
+        )
         return lp
 
     def logprobs() -> mx.array:

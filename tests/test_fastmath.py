@@ -84,6 +84,54 @@ def test_log_softmax_and_entropy_match_float64():
     assert np.all(np.abs(np.array(ent) - want_ent) <= 2 * rel * (1 + big))
 
 
+@pytest.mark.parametrize("head_kind", ["frozen-linear", "frozen-embedding", "trained-linear"])
+def test_output_head_in_chunks_gives_log_softmax_values_and_gradients(head_kind):
+    """_head_logprobs in 8 chunks (the last one short) against float64 NumPy: the
+    log-probs, and the gradients of sum w * log p with respect to the hidden states
+    (w_i (W[y_i] - p_i W)) and, for a head that trains, its weight. A frozen plain head
+    takes the chunked path that yields each chunk's gradient with its forward
+    (`_head_chunk`); a trained one, the recomputed (checkpointed) chunks. The float32
+    error of each is that of a sum of d + V terms (the logits, then the softmax's
+    normaliser and p W), plus the exp's (12 + |x|) unit roundoffs (above)."""
+    import mlx.nn as nn
+    from conftest import assert_f32_close
+
+    from mlx_grpo.logprobs import _frozen_head_weight, _head_logprobs
+
+    rng = np.random.default_rng(4)
+    v, d, m = 4096, 32, 37
+    weight = (rng.normal(size=(v, d)) * 0.5).astype(np.float32)
+    hidden = rng.normal(size=(m, 1, d)).astype(np.float32)
+    targets = rng.integers(0, v, size=(m, 1))
+    w = rng.normal(size=(m, 1)).astype(np.float32)
+    module = nn.Embedding(v, d) if head_kind == "frozen-embedding" else nn.Linear(d, v, bias=False)
+    module.weight = mx.array(weight)
+    head = module.as_linear if head_kind == "frozen-embedding" else module
+    if head_kind.startswith("frozen"):
+        module.freeze()
+    assert (_frozen_head_weight(head) is None) == (head_kind == "trained-linear")
+
+    def loss(params, h):
+        module.update(params)
+        lp, _ = _head_logprobs(head, h, mx.array(targets), 5 * v, v)
+        return (lp * mx.array(w)).sum(), lp
+
+    params = module.trainable_parameters()  # {} for a frozen head
+    (_, lp), (g_params, g_h) = mx.value_and_grad(loss, argnums=(0, 1))(params, mx.array(hidden))
+
+    x = hidden[:, 0].astype(np.float64) @ weight.T.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    log_z = np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    p = np.exp(x - log_z)
+    want_lp = np.take_along_axis(x - log_z, targets, axis=-1)
+    toward = np.eye(v)[targets[:, 0]] - p  # d log p(y) / d logits
+    additions = d + v + 12 + math.ceil(np.abs(x).max())
+    assert_f32_close(lp, want_lp, additions, "log-probs")
+    assert_f32_close(g_h[:, 0], (w * toward) @ weight.astype(np.float64), additions, "d/dh")
+    if params:
+        assert_f32_close(g_params["weight"], (w * toward).T @ hidden[:, 0], additions, "d/dW")
+
+
 def test_categorical_draws_softmax_frequencies_and_never_a_masked_entry():
     """40,000 draws per case; every frequency within 5 standard deviations of the
     binomial around softmax(logits) (a chance of about 6e-7 per entry to fail)."""
