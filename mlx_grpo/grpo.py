@@ -139,10 +139,12 @@ class LossInputs:
     guided: mx.array | None = None
 
 
-def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInputs]:
+def micro_batches(
+    batch: LossInputs, max_positions: int | None, share: bool = True
+) -> list[LossInputs]:
     """`batch` in pieces that each run at most `max_positions` sequence positions (a
-    group's prompt once, plus each row up to its last loss token less what it shares
-    with an earlier row: `group_positions`), so the update's
+    group's prompt once, plus each row up to its last loss token less, with `share`,
+    what it shares with an earlier row: `group_positions`), so the update's
     activations stay bounded. Whole groups go together while they fit; a group that
     does not fit alone is cut into runs of consecutive rows (one row at least). Every
     piece carries the whole batch's counts (`total_rows`, `total_tokens`), so the
@@ -153,7 +155,7 @@ def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInpu
     g = n // b
     lengths = effective_lengths(batch.mask)
     plens = [int(p.shape[0]) for p in batch.prompts]
-    group_cost = group_positions(batch, lengths)
+    group_cost = group_positions(batch, lengths, share)
     if max_positions is None or sum(group_cost) <= max_positions:
         return [batch]
 
@@ -181,8 +183,9 @@ def micro_batches(batch: LossInputs, max_positions: int | None) -> list[LossInpu
     return _pieces(batch, spans)
 
 
-def lane_pieces(batch: LossInputs, lanes: int) -> list[LossInputs]:
-    """`batch` in at most `lanes` pieces of about equal sequence positions, to run side
+def lane_pieces(batch: LossInputs, lanes: int, share: bool = True) -> list[LossInputs]:
+    """`batch` in at most `lanes` pieces of about equal sequence positions (`share` as
+    for `micro_batches`), to run side
     by side (`mlx_grpo.lanes`): runs of whole groups where there are at least `lanes`
     groups, else each group's rows in runs (each run with its group's prompt). Every
     piece carries the whole batch's counts, as `micro_batches`'s do."""
@@ -192,7 +195,7 @@ def lane_pieces(batch: LossInputs, lanes: int) -> list[LossInputs]:
     g = n // b
     lengths = effective_lengths(batch.mask)
     if b >= lanes:
-        cuts = _balanced_cuts(group_positions(batch, lengths), lanes)
+        cuts = _balanced_cuts(group_positions(batch, lengths, share), lanes)
         spans = [(list(range(lo, hi)), lo * g, hi * g) for lo, hi in zip(cuts, cuts[1:])]
     else:
         spans = []
@@ -202,12 +205,15 @@ def lane_pieces(batch: LossInputs, lanes: int) -> list[LossInputs]:
     return _pieces(batch, spans)
 
 
-def group_positions(batch: LossInputs, lengths: list[int]) -> list[int]:
+def group_positions(batch: LossInputs, lengths: list[int], share: bool = True) -> list[int]:
     """Per group, about the positions its packed pass runs (`logprobs._Packed`): its
-    prompt once, then each row up to its last loss token (`lengths`), less the inputs
-    it opens with alike an earlier row of its group (`logprobs.shared_inputs`)."""
+    prompt once, then each row up to its last loss token (`lengths`), less, with
+    `share`, the inputs it opens with alike an earlier row of its group
+    (`logprobs.shared_inputs`; `logprobs.shares_inputs` says whether a pass does)."""
     g = len(lengths) // len(batch.prompts)
-    shared = shared_inputs(np.array(batch.completions), lengths, g)
+    shared = (
+        shared_inputs(np.array(batch.completions), lengths, g) if share else [None] * len(lengths)
+    )
     own = [n - (0 if s is None else s[1]) for n, s in zip(lengths, shared)]
     return [int(p.shape[0]) + sum(own[i * g : (i + 1) * g]) for i, p in enumerate(batch.prompts)]
 

@@ -202,7 +202,6 @@ def _head_logprobs(head, hidden, targets, chunk_floats, vocab, entropy_grad=Fals
     are recomputed in the backward pass (`mx.checkpoint`), which repeats the head's
     matmul and its vocabulary-wide elementwise work."""
     n, c = targets.shape
-    rows = max(1, chunk_floats // max(1, c * vocab))
     weight = _frozen_head_weight(head) if entropy_grad is False else None
     if weight is not None:
         h, y = hidden.reshape(n * c, -1), targets.reshape(-1)
@@ -213,6 +212,7 @@ def _head_logprobs(head, hidden, targets, chunk_floats, vocab, entropy_grad=Fals
     def chunk(h, y):
         return _logprobs_of(head(h), y, bool(entropy_grad))
 
+    rows = max(1, chunk_floats // max(1, c * vocab))
     if rows < n and entropy_grad is not None:
         # the head's own trainable parameters pass in, or they would get no gradient
         chunk = nn.utils.checkpoint(getattr(head, "__self__", head), chunk)
@@ -431,8 +431,8 @@ class _Packed:
         def block(x, rows, width):  # [n, H, width, D]
             parts = []
             for runs in rows:
-                row = mx.concatenate([x[f : f + c] for f, c in runs]) if len(runs) > 1 else None
-                row = x[runs[0][0] : runs[0][0] + runs[0][1]] if row is None else row
+                pieces = [x[f : f + c] for f, c in runs]
+                row = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
                 parts.append(mx.pad(row, [(0, width - row.shape[0]), (0, 0), (0, 0)]))
             return mx.stack(parts).transpose(0, 2, 1, 3)
 
@@ -465,6 +465,12 @@ def _draws_dropout(model: nn.Module) -> bool:
     """Whether a pass draws dropout masks (LoRA dropout while training): every position
     then has draws of its own, and no row's positions are another's to share."""
     return any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1 for m in model.modules())
+
+
+def shares_inputs(model: nn.Module) -> bool:
+    """Whether `completion_logprobs` runs the rows that open alike on shared positions
+    (`shared_inputs`): in the packed pass, drawing no dropout."""
+    return _splittable(model) and _packable(model) and not _draws_dropout(model)
 
 
 def _first_inputs(runs: list[tuple[int, int]], s: int) -> list[tuple[int, int]]:

@@ -53,7 +53,7 @@ from mlx_grpo.grpo import (
 from mlx_grpo.guidance import demonstration_advantages, demonstration_starts, guide_groups
 from mlx_grpo.lanes import Lanes, update_lanes
 from mlx_grpo.log import JsonlWriter
-from mlx_grpo.logprobs import completion_logprobs
+from mlx_grpo.logprobs import completion_logprobs, shares_inputs
 from mlx_grpo.models import adapters_disabled, adapters_set
 from mlx_grpo.procmem import descendants_bytes, keep_freed_memory
 from mlx_grpo.recipe import INFRASTRUCTURE_FAILURES, Recipe, Scored, Task
@@ -913,8 +913,9 @@ def reference_pass(
 
     def logprobs() -> mx.array:
         parts = []
-        for piece in micro_batches(batch, grpo.micro_batch_tokens):
-            parts += lanes.map(piece_logprobs, lane_pieces(piece, lanes.n))
+        share = shares_inputs(model)
+        for piece in micro_batches(batch, grpo.micro_batch_tokens, share):
+            parts += lanes.map(piece_logprobs, lane_pieces(piece, lanes.n, share))
         return mx.stop_gradient(parts[0] if len(parts) == 1 else mx.concatenate(parts))
 
     if grpo.beta > 0:
@@ -943,8 +944,11 @@ def policy_gradient(
     if batch is not None:
         lanes = lanes or Lanes(1)
         loss, m, grads = None, None, None
-        for piece in micro_batches(batch, micro_batch_tokens):
-            parts = lanes.map(lambda p: loss_and_grad(model, p), lane_pieces(piece, lanes.n))
+        # as the pass decides; the compiled loss runs each group alone, sharing nothing
+        share = shares_inputs(model) and not isinstance(loss_and_grad, CompiledLossAndGrad)
+        for piece in micro_batches(batch, micro_batch_tokens, share):
+            pieces = lane_pieces(piece, lanes.n, share)
+            parts = lanes.map(lambda p: loss_and_grad(model, p), pieces)
             for (p_loss, p_m), p_grads in parts:
                 if loss is None:
                     loss, m, grads = p_loss, p_m, p_grads

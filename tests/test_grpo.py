@@ -394,7 +394,14 @@ def test_logprob_gradients_equal_full_passes_through_mlx_log_softmax(tiny_lp):
     def shared(m):
         return (completion_logprobs(m, prompts, comp)[0] * weights * mask).sum()
 
-    v1, g1 = nn.value_and_grad(model, shared)(model)
+    _assert_full_pass_value_and_gradients(model, shared, prompts, comp, weights, mask)
+
+
+def _assert_full_pass_value_and_gradients(model, loss, prompts, comp, weights, mask):
+    """loss(model) (a value, or (value, aux)) and its gradients equal `_full_passes`'
+    within float32 rounding, and some gradient is not 0; returns aux."""
+    out, g1 = nn.value_and_grad(model, loss)(model)
+    v1, aux = out if isinstance(out, tuple) else (out, None)
     v2, g2 = nn.value_and_grad(model, lambda m: _full_passes(m, prompts, comp, weights, mask))(
         model
     )
@@ -403,6 +410,7 @@ def test_logprob_gradients_equal_full_passes_through_mlx_log_softmax(tiny_lp):
     for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
         assert_f32_close(a, b, n, k)
     assert any(mx.abs(a).max().item() > 0 for _, a in tree_flatten(g1))
+    return aux
 
 
 def _full_passes(m, prompts, comp, weights, mask):
@@ -463,17 +471,10 @@ def test_rows_that_open_alike_share_positions_and_give_full_pass_values_and_grad
         lp, ent = completion_logprobs(m, prompts, comp, mask=mask)
         return (lp * weights * mask).sum(), lp * mask
 
-    (v1, lp1), g1 = nn.value_and_grad(model, packed)(model)
-    v2, g2 = nn.value_and_grad(model, lambda m: _full_passes(m, prompts, comp, weights, mask))(
-        model
-    )
-    n = tiny_additions(vars(model.args))
-    assert_f32_close(v1, v2, n, "value")
-    for (k, a), (_, b) in zip(tree_flatten(g1), tree_flatten(g2)):
-        assert_f32_close(a, b, n, k)
-    assert any(mx.abs(a).max().item() > 0 for _, a in tree_flatten(g1))
+    lp1 = _assert_full_pass_value_and_gradients(model, packed, prompts, comp, weights, mask)
     monkeypatch.setattr(logprobs, "MIN_SHARED_INPUTS", 1 << 30)  # every row its own positions
     (_, lp_apart), _ = nn.value_and_grad(model, packed)(model)
+    n = tiny_additions(vars(model.args))
     assert_f32_close(lp1, lp_apart, n, "log-probs shared and apart")
 
 
@@ -495,8 +496,10 @@ def test_rows_share_no_positions_while_lora_dropout_draws(tiny, monkeypatch):
     monkeypatch.setattr(_Packed, "__init__", spy)
     model.train()
     completion_logprobs(model, prompts, comp, mask=mask)
+    assert not logprobs.shares_inputs(model)  # what micro-batches are cut by
     model.eval()
     completion_logprobs(model, prompts, comp, mask=mask)
+    assert logprobs.shares_inputs(model)
     assert seen[0] == [None] * 8
     assert seen[1] == [None, (0, 5), (1, 7), (0, 6), None, (4, 4), None, (4, 4)]
 
@@ -692,6 +695,9 @@ def test_micro_batches_count_a_group_by_the_positions_its_rows_do_not_share(monk
     lengths = effective_lengths(mask)  # [10, 9, 10, 7] and [10, 8, 6, 10]
     assert group_positions(batch, lengths) == [5 + 36 - (5 + 7 + 6), 9 + 34 - (4 + 4)]
     assert micro_batches(batch, 58)[0] is batch
+    # a pass that shares nothing (dropout draws, the compiled loss) counts every row whole
+    assert group_positions(batch, lengths, share=False) == [41, 43]
+    assert [len(p.prompts) for p in micro_batches(batch, 58, share=False)] == [1, 1]
     monkeypatch.setattr(logprobs, "MIN_SHARED_INPUTS", 1 << 30)
     assert group_positions(batch, lengths) == [41, 43]
     assert [len(p.prompts) for p in micro_batches(batch, 58)] == [1, 1]
