@@ -170,7 +170,8 @@ def micro_batches(
             run.append(i)
             run_cost += group_cost[i]
             continue
-        start, cost = i * g, plens[i]  # rows cut apart share nothing: counted whole
+        # each row counted whole: an upper bound where rows of one run still share
+        start, cost = i * g, plens[i]
         for r in range(i * g, (i + 1) * g):
             if r > start and cost + lengths[r] > max_positions:
                 spans.append(([i], start, r))
