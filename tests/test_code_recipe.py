@@ -25,7 +25,9 @@ def recipe():
 
 @pytest.fixture
 def fast_sandbox(monkeypatch):
-    sb = Sandbox(Limits(wall_s=4.0, cpu_s=1, memory_bytes=256 * 2**20), workers=2)
+    # CPU time bounds these programs (none sleeps); the wall clock is only a backstop, far
+    # enough out that a busy machine does not turn a CPU hog into a timeout.
+    sb = Sandbox(Limits(wall_s=30.0, cpu_s=1, memory_bytes=256 * 2**20), workers=2)
     monkeypatch.setattr(code_reward, "_SANDBOX", sb)
 
 

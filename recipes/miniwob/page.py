@@ -100,6 +100,10 @@ core.startEpisodeReal();
 STATE = "return [WOB_TASK_READY, WOB_DONE_GLOBAL, WOB_RAW_REWARD_GLOBAL, WOB_REWARD_REASON];"
 # jQuery UI animates tabs, accordions and menus; observe once they settle (at most 1 s).
 SETTLE = "return window.jQuery ? jQuery(':animated').length : 0;"
+# The longest waits for a page to be built and for its animations to end (seconds of the
+# clock, not polls, so that a busy machine's slower polls do not cut them short).
+BUILD_S = 5.0
+SETTLE_S = 3.0
 CLICK = "return core.elementClick(arguments[0]);"
 FOCUS_AND_EMPTY = """
 var r = core.elementClick(arguments[0]);
@@ -182,9 +186,8 @@ class MiniWoBEnv:
         self.window = browser_pool(self.browsers).acquire()
         self.window.load(self.task)
         self.window.run(START, self.seed, self.mode)
-        for _ in range(40):  # some tasks build their page asynchronously
-            if self.window.run(STATE)[0]:
-                break
+        deadline = time.monotonic() + BUILD_S  # some tasks build their page asynchronously
+        while not self.window.run(STATE)[0] and time.monotonic() < deadline:
             time.sleep(0.05)
         goal = self.window.run("return core.getUtterance();")
         # a few tasks answer {"utterance": ..., "fields": ...}
@@ -193,9 +196,8 @@ class MiniWoBEnv:
         return f"Goal: {self.goal}\n{render(self.items)}"
 
     def _observe(self) -> None:
-        for _ in range(20):
-            if not self.window.run(SETTLE):
-                break
+        deadline = time.monotonic() + SETTLE_S
+        while self.window.run(SETTLE) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.items = self.window.run(OBSERVE)
         if self.record:
