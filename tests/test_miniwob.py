@@ -435,8 +435,9 @@ _CHILD = textwrap.dedent(
 def _browser_pids_of(proc: subprocess.Popen) -> list[int]:
     deadline = time.monotonic() + 300  # a wait for start-up, not a measurement
     while time.monotonic() < deadline:
-        kids = [p for p in descendants(proc.pid) if _comm(p).startswith(("chrom", "chromedriver"))]
-        if any(_comm(p).startswith("chrom") and _comm(p) != "chromedriver" for p in kids):
+        names = {p: _comm(p) for p in descendants(proc.pid)}
+        kids = [p for p, name in names.items() if name.startswith("chrom")]
+        if any(names[p] != "chromedriver" for p in kids):  # the browser, not only its driver
             return kids
         time.sleep(0.2)
     raise AssertionError("no browser started")

@@ -98,10 +98,10 @@ core.setDataMode(arguments[1]);
 core.startEpisodeReal();
 """
 STATE = "return [WOB_TASK_READY, WOB_DONE_GLOBAL, WOB_RAW_REWARD_GLOBAL, WOB_REWARD_REASON];"
-# jQuery UI animates tabs, accordions and menus; observe once they settle (at most 1 s).
+# jQuery UI animates tabs, accordions and menus; observe once they settle.
 SETTLE = "return window.jQuery ? jQuery(':animated').length : 0;"
-# The longest waits for a page to be built and for its animations to end (seconds of the
-# clock, not polls, so that a busy machine's slower polls do not cut them short).
+# The longest waits, in seconds, for a page to be built and for its animations to end;
+# a page that is ready sooner is observed sooner.
 BUILD_S = 5.0
 SETTLE_S = 3.0
 CLICK = "return core.elementClick(arguments[0]);"
