@@ -50,6 +50,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_grpo import evalcache
@@ -59,6 +60,8 @@ from mlx_grpo.evaluate import TaskResult
 from mlx_grpo.procmem import keep_freed_memory
 from mlx_grpo.recipe import INFRASTRUCTURE_FAILURES, Recipe, Task, recipe_defaults, recipe_dir
 from mlx_grpo.report import (
+    Report,
+    SuccessRule,
     compare_results,
     print_report,
     success_rule,
@@ -258,22 +261,9 @@ def run_compare(argv: list[str], console=None) -> dict:
     a = resolve_side("a", args.a, args.a_adapter)
     b = resolve_side("b", args.b, args.b_adapter)
     cfg = resolve_eval_config(args.recipe, overrides, [a, b])
-    out = args.out or (
-        b.run_dir / "compare" if b.run_dir else Path(time.strftime("compare-%Y%m%d-%H%M%S"))
-    )
-    try:  # before any evaluation
-        check_writable(out)
-    except OSError as e:
-        raise CompareError(f"--out: cannot write in {out} ({e.strerror})") from None
+    out = _out_folder(args.out, b)
     recipe = Recipe.from_config(cfg.recipe)
-    tasks = recipe.tasks("eval", args.n_tasks or cfg.recipe.eval_size, args.seed)
-    ids = [t.id for t in tasks]
-    if twice := next((i for n, i in enumerate(ids) if i in ids[:n]), None):
-        raise CompareError(
-            f"recipe {recipe.name}: two eval tasks have the id {twice!r}, so they cannot be "
-            "paired (a task file's lines without an id are named by their messages: give "
-            "each line an id)"
-        )
+    tasks = _eval_tasks(recipe, args.n_tasks or cfg.recipe.eval_size, args.seed)
     if not args.allow_tokenizer_mismatch:
         check_tokenizers(a, b, recipe, tasks, cfg.rollout.max_prompt_tokens)
 
@@ -284,6 +274,65 @@ def run_compare(argv: list[str], console=None) -> dict:
             console.print(
                 f"note: {s.name} was trained on recipe {trained_on.name}", highlight=False
             )
+    ev = _evaluate_both(a, b, recipe, tasks, cfg, args, console)
+    k = args.pass_k if args.pass_k is not None else args.samples
+    ks = [1] if k == 1 else [1, k]
+    stats = StatsConfig(args.resamples, args.permutations, seed=args.seed)
+    report = compare_results(ev.results["a"], ev.results["b"], ev.success, ks, stats, args.show)
+    setting = _setting(cfg, recipe, tasks, args)
+    print_report(report, _header(a, b, setting, len(tasks), ev), console)
+    data = _compare_json(a, b, cfg, args, ks, stats, report, ev, len(tasks))
+    _write_files(data, report, out, a, b, ev, args.no_cache, console)
+    return data
+
+
+def _out_folder(out: Path | None, b: Side) -> Path:
+    """`--out`, else B's run's compare/ folder, else a new compare-<timestamp>/; checked
+    writable now, so that a folder the files cannot go to wastes no evaluation."""
+    out = out or (
+        b.run_dir / "compare" if b.run_dir else Path(time.strftime("compare-%Y%m%d-%H%M%S"))
+    )
+    try:  # before any evaluation
+        check_writable(out)
+    except OSError as e:
+        raise CompareError(f"--out: cannot write in {out} ({e.strerror})") from None
+    return out
+
+
+def _eval_tasks(recipe: Recipe, count: int, seed: int) -> list[Task]:
+    """The recipe's `count` eval tasks for `seed`. The sides are paired task by task by
+    id, so two tasks with one id are refused."""
+    tasks = recipe.tasks("eval", count, seed)
+    ids = [t.id for t in tasks]
+    if twice := next((i for n, i in enumerate(ids) if i in ids[:n]), None):
+        raise CompareError(
+            f"recipe {recipe.name}: two eval tasks have the id {twice!r}, so they cannot be "
+            "paired (a task file's lines without an id are named by their messages: give "
+            "each line an id)"
+        )
+    return tasks
+
+
+@dataclass
+class _Evaluations:
+    """Both sides' evaluations as the report and compare.json use them; each dict is
+    keyed by side ("a", "b")."""
+
+    results: dict[str, list[TaskResult]]  # per task, without the tasks in `left_out`
+    left_out: list[str]  # ids of the tasks an infrastructure failure took out
+    failures: dict[str, dict[str, int]]  # samples per named failure, left-out tasks included
+    errors: dict[str, int]  # samples whose reward raised (scored 0)
+    seconds: dict[str, float]  # evaluation time; 0.0 for an evaluation kept from the cache
+    cached: dict[str, str]  # when each kept evaluation was made
+    stored: set[str]  # sides whose new evaluation went into the cache
+    success: SuccessRule
+
+
+def _evaluate_both(
+    a: Side, b: Side, recipe: Recipe, tasks: list[Task], cfg: RunConfig, args, console
+) -> _Evaluations:
+    """Evaluate A, then B (or read a side from the evaluation cache, unless --no-cache),
+    then leave out of both the tasks the machinery broke under either."""
     seconds, results, success, cached, stored = {}, {}, None, {}, set()
     shared = evalcache.settings_material(
         cfg, recipe.dir, tasks, args.samples, args.temperature, args.seed, args.batch_tasks
@@ -314,18 +363,29 @@ def run_compare(argv: list[str], console=None) -> dict:
         # The reward's components are known once A has played: check --success-key
         # before B's evaluation is spent.
         success = success or success_rule(args.success_key, recipe, results[s.flag])
-    k = args.pass_k if args.pass_k is not None else args.samples
-    ks = [1] if k == 1 else [1, k]
-    stats = StatsConfig(args.resamples, args.permutations, seed=args.seed)
     failures = {s: _failures(results[s]) for s in "ab"}
     results, left_out = _without_broken_tasks(results)
-    report = compare_results(results["a"], results["b"], success, ks, stats, args.show)
-
     errors = {s: sum(r.errors for r in results[s]) for s in "ab"}
+    return _Evaluations(
+        results=results,
+        left_out=left_out,
+        failures=failures,
+        errors=errors,
+        seconds=seconds,
+        cached=cached,
+        stored=stored,
+        success=success,
+    )
+
+
+def _header(a: Side, b: Side, setting: str, n_tasks: int, ev: _Evaluations) -> list[str]:
+    """The lines above the report: both sides, the setting and each side's time, then a
+    warning or note for each thing that makes the numbers say less than they seem to."""
+    cached, seconds, left_out = ev.cached, ev.seconds, ev.left_out
     header = [
         f"A: {a.describe()}",
         f"B: {b.describe()}",
-        f"{_setting(cfg, recipe, tasks, args)}; "
+        f"{setting}; "
         + ", ".join(
             f"{f.upper()} {f'kept from {cached[f]}' if f in cached else f'{seconds[f]:.1f} s'}"
             for f in "ab"
@@ -333,12 +393,12 @@ def run_compare(argv: list[str], console=None) -> dict:
     ]
     header += [
         f"warning: the reward raised on {n} samples of {s.upper()} (scored 0)"
-        for s, n in errors.items()
+        for s, n in ev.errors.items()
         if n
     ]
     if left_out:
         header.append(
-            f"warning: {len(left_out)} of {len(tasks)} tasks left out of the comparison: "
+            f"warning: {len(left_out)} of {n_tasks} tasks left out of the comparison: "
             f"{' or '.join(sorted(INFRASTRUCTURE_FAILURES))} failed under a sample of A or B "
             f"(not the model's doing): {', '.join(left_out[:5])}" + ", ..." * (len(left_out) > 5)
         )
@@ -346,20 +406,34 @@ def run_compare(argv: list[str], console=None) -> dict:
         f"note: {n} samples of {s.upper()} ended by {why} (scored 0; a limit of time can "
         "depend on the machine's load at the moment)"
         for s in "ab"
-        for why, n in sorted(failures[s].items())
+        for why, n in sorted(ev.failures[s].items())
         if why in evalcache.TRANSIENT - INFRASTRUCTURE_FAILURES
     ]
-    print_report(report, header, console)
+    return header
 
-    exact = len(tasks) <= stats.exact_max
-    data = {
+
+def _compare_json(
+    a: Side,
+    b: Side,
+    cfg: RunConfig,
+    args,
+    ks: list[int],
+    stats: StatsConfig,
+    report: Report,
+    ev: _Evaluations,
+    n_tasks: int,
+) -> dict:
+    """compare.json's content: both sides and the settings, enough to repeat the
+    comparison, the rows the export's model card reads, and every task's results."""
+    exact = n_tasks <= stats.exact_max
+    return {
         "model_a": a.describe(),
         "model_b": b.describe(),
         "sides": {"a": a.to_dict(), "b": b.to_dict()},
         "recipe": cfg.recipe.model_dump(),
         "rollout": cfg.rollout.model_dump(),
         "eval": {
-            "n_tasks": len(tasks),
+            "n_tasks": n_tasks,
             "seed": args.seed,
             "samples": args.samples,
             "temperature": args.temperature,
@@ -369,11 +443,11 @@ def run_compare(argv: list[str], console=None) -> dict:
             "bootstrap_resamples": stats.resamples,
             "p_value": "paired sign-flip permutation, two-sided, "
             + ("exact" if exact else f"{stats.permutations} random flips, +1 corrected"),
-            "seconds": seconds,
-            "cached": cached,  # side -> when its kept evaluation was made
-            "reward_errors": errors,
-            "failures": failures,  # side -> {reason: samples}, left-out tasks included
-            "left_out": left_out,  # tasks an infrastructure failure took out of the rows
+            "seconds": ev.seconds,
+            "cached": ev.cached,  # side -> when its kept evaluation was made
+            "reward_errors": ev.errors,
+            "failures": ev.failures,  # side -> {reason: samples}, left-out tasks included
+            "left_out": ev.left_out,  # tasks an infrastructure failure took out of the rows
         },
         "rows": report.rows,
         "levels": report.levels,
@@ -381,9 +455,23 @@ def run_compare(argv: list[str], console=None) -> dict:
         "differ": report.differ,
         "tasks": [
             {"id": ra.id, "level": ra.level, "a": task_dict(ra), "b": task_dict(rb)}
-            for ra, rb in zip(results["a"], results["b"])
+            for ra, rb in zip(ev.results["a"], ev.results["b"])
         ],
     }
+
+
+def _write_files(
+    data: dict,
+    report: Report,
+    out: Path,
+    a: Side,
+    b: Side,
+    ev: _Evaluations,
+    no_cache: bool,
+    console,
+) -> None:
+    """Write the files to `out` (and compare.json beside B's adapters, unless A and B
+    are the same); a failed write names what a second try would cost."""
     same = a.model == b.model and _adapter_bytes(a) == _adapter_bytes(b)
     if same:
         kept = "; the compare.json the export's model card reads is left as it was"
@@ -396,12 +484,11 @@ def run_compare(argv: list[str], console=None) -> dict:
     try:
         written = write_outputs(data, report, out, keep_in, console)
     except OSError as e:  # a full disk, say: the table is printed, the evaluations kept
-        again = (stored | cached.keys()) == {"a", "b"}
+        again = (ev.stored | ev.cached.keys()) == {"a", "b"}
         kept = "; the evaluations are kept, so the same command" * again
-        kept += " without --no-cache" * (again and args.no_cache) + " only writes" * again
+        kept += " without --no-cache" * (again and no_cache) + " only writes" * again
         raise CompareError(f"--out: writing in {out} failed ({e.strerror or e}){kept}") from None
     console.print(f"wrote {', '.join(map(str, written))}", highlight=False)
-    return data
 
 
 def _failures(results: list[TaskResult]) -> dict[str, int]:
