@@ -308,8 +308,21 @@ def _f(v, nd=1):
 
 
 def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) for each table."""
-    out = []
+    """(title, header, rows) for each table: the systems side by side, then, where the
+    run has them, mlx-grpo's step against the floor and mlx-grpo's scaling."""
+    out = [_systems_table(report)]
+    fl = report.get("floor")
+    if fl:
+        out.append(_floor_table(fl))
+    sc = report.get("scaling")
+    if sc:
+        out.append(_scaling_table(sc))
+    return out
+
+
+def _systems_table(report: dict) -> tuple[str, list[str], list[list[str]]]:
+    """One row per system on the work unit, with mlx-grpo's step time over each one's
+    (the ratio to read, the machines being noisy); a failed system's row says why."""
     sysrows = report["systems"]
     ours = sysrows.get("mlx-grpo", {}).get("summary")
     rows = []
@@ -338,101 +351,100 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 ratio,
             ]
         )
-    out.append(
-        (
-            "Work unit: SmolLM2-135M fp32, B=2 x G=8, 64 new tokens, LoRA r8 all linears "
-            + (
-                f"(median of the {report['steps'] - 1} steps after the first)"
-                if report["steps"] > 1
-                else "(one step)"
-            ),
-            [
-                "system",
-                "step s",
-                "rollout s",
-                "rollout tok/s",
-                "update s",
-                "first step s",
-                "peak RSS GB",
-                "LoRA params",
-                "reward",
-                "mlx-grpo / system",
-            ],
-            rows,
-        )
+    return (
+        "Work unit: SmolLM2-135M fp32, B=2 x G=8, 64 new tokens, LoRA r8 all linears "
+        + (
+            f"(median of the {report['steps'] - 1} steps after the first)"
+            if report["steps"] > 1
+            else "(one step)"
+        ),
+        [
+            "system",
+            "step s",
+            "rollout s",
+            "rollout tok/s",
+            "update s",
+            "first step s",
+            "peak RSS GB",
+            "LoRA params",
+            "reward",
+            "mlx-grpo / system",
+        ],
+        rows,
     )
-    fl = report.get("floor")
-    if fl:
-        rates = fl["rates"]
-        ps = fl["profiled_step"]
-        rows = []
-        for phase, r in ps["phases"].items():
-            ops = r["ops_s"]
-            rows.append(
-                [
-                    phase,
-                    _f(r["measured_s"], 2),
-                    _f(r["floor_s"], 2),
-                    _f(r["measured_s"] / r["floor_s"], 1) if r["floor_s"] else "-",
-                    *[_f(ops.get(k), 2) for k in ("gemm", "attention", "elementwise", "python")],
-                ]
-            )
-        out.append(
-            (
-                f"Floor: GEMM {rates['gemm_gflops']:.0f} GFLOP/s, bandwidth "
-                f"{rates['bandwidth_gbs']:.1f} GB/s; mlx-grpo step = {fl['step_over_floor']:.1f}x "
-                f"its floor ({fl['step_floor_s']:.2f} s). Profiled step by phase and op class "
-                "(seconds; op classes estimated from isolated ops at the real shapes, "
-                "scaled down to the measured phase where they exceed it)",
-                [
-                    "phase",
-                    "measured s",
-                    "floor s",
-                    "x floor",
-                    "GEMM",
-                    "attention",
-                    "elementwise",
-                    "python/other",
-                ],
-                rows,
-            )
-        )
-    sc = report.get("scaling")
-    if sc:
-        rows = [
+
+
+def _floor_table(fl: dict) -> tuple[str, list[str], list[list[str]]]:
+    """mlx-grpo's profiled step by phase and op class against the floor (`floor_report`);
+    the title carries the measured rates and the whole step's multiple of its floor."""
+    rates = fl["rates"]
+    ps = fl["profiled_step"]
+    rows = []
+    for phase, r in ps["phases"].items():
+        ops = r["ops_s"]
+        rows.append(
             [
-                str(r["group"]),
-                str(r["max_new_tokens"]),
-                *(
-                    [f"failed: {r['error']}", "", "", "", ""]
-                    if "error" in r
-                    else [
-                        _f(r["summary"]["step_s"]),
-                        _f(r["summary"]["rollout_s"]),
-                        _f(r["summary"]["update_s"]),
-                        _f(r["summary"]["peak_rss_gb"], 2),
-                        _f(r["mlx_peak_gb"], 2),
-                    ]
-                ),
+                phase,
+                _f(r["measured_s"], 2),
+                _f(r["floor_s"], 2),
+                _f(r["measured_s"] / r["floor_s"], 1) if r["floor_s"] else "-",
+                *[_f(ops.get(k), 2) for k in ("gemm", "attention", "elementwise", "python")],
             ]
-            for r in sc
-        ]
-        out.append(
-            (
-                "mlx-grpo scaling (B=2)",
-                [
-                    "G",
-                    "new tokens",
-                    "step s",
-                    "rollout s",
-                    "update s",
-                    "peak RSS GB",
-                    "MLX peak GB",
-                ],
-                rows,
-            )
         )
-    return out
+    return (
+        f"Floor: GEMM {rates['gemm_gflops']:.0f} GFLOP/s, bandwidth "
+        f"{rates['bandwidth_gbs']:.1f} GB/s; mlx-grpo step = {fl['step_over_floor']:.1f}x "
+        f"its floor ({fl['step_floor_s']:.2f} s). Profiled step by phase and op class "
+        "(seconds; op classes estimated from isolated ops at the real shapes, "
+        "scaled down to the measured phase where they exceed it)",
+        [
+            "phase",
+            "measured s",
+            "floor s",
+            "x floor",
+            "GEMM",
+            "attention",
+            "elementwise",
+            "python/other",
+        ],
+        rows,
+    )
+
+
+def _scaling_table(sc: list[dict]) -> tuple[str, list[str], list[list[str]]]:
+    """mlx-grpo's step at each (G, new tokens) of the scaling runs; a failed run's row
+    says why."""
+    rows = [
+        [
+            str(r["group"]),
+            str(r["max_new_tokens"]),
+            *(
+                [f"failed: {r['error']}", "", "", "", ""]
+                if "error" in r
+                else [
+                    _f(r["summary"]["step_s"]),
+                    _f(r["summary"]["rollout_s"]),
+                    _f(r["summary"]["update_s"]),
+                    _f(r["summary"]["peak_rss_gb"], 2),
+                    _f(r["mlx_peak_gb"], 2),
+                ]
+            ),
+        ]
+        for r in sc
+    ]
+    return (
+        "mlx-grpo scaling (B=2)",
+        [
+            "G",
+            "new tokens",
+            "step s",
+            "rollout s",
+            "update s",
+            "peak RSS GB",
+            "MLX peak GB",
+        ],
+        rows,
+    )
 
 
 def blas_line(report: dict) -> str:
