@@ -488,23 +488,10 @@ def print_tables(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlx_grpo.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="one step of mlx-grpo only (+ profile)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
-    p.add_argument("--steps", type=int, default=4, help="steps per system (the first is excluded)")
-    p.add_argument("--scaling-steps", type=int, default=2)
-    p.add_argument("--no-scaling", action="store_true")
-    p.add_argument("--model", default="default", help="mlx-grpo's model (smoke tests: a tiny one)")
-    p.add_argument(
-        "--out", type=Path, default=None, help="results folder (default ./bench/results)"
-    )
-    p.add_argument("--timeout", type=float, default=900, help="seconds per system run")
-    p.add_argument(
-        "--peer-front",
-        action="store_true",
-        help="run mlx-lm-lora on mlx-grpo's skinny-GEMM front too (default: the same BLAS alone)",
-    )
-    args = p.parse_args(argv)
+    """The bench: each system on the work unit, then mlx-grpo against the floor and its
+    scaling; prints the tables and writes them to the results folder. Exit status 2 for
+    a bad --systems, 1 when a peer cannot be set up or mlx-grpo's run failed."""
+    args = _parser().parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -530,7 +517,6 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "systems": {},
     }
-    ours_args = ["--steps", str(args.steps), "--model", args.model]
     try:
         peers = {}
         for name in systems:
@@ -541,6 +527,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
+    report["systems"] = _run_systems(systems, peers, base, args, logs)
+    ours = report["systems"].get("mlx-grpo", {})
+    if "profile" in ours:
+        report["floor"] = floor_report(ours)
+    if not args.no_scaling:
+        report["scaling"] = _run_scaling(ours, args, logs)
+
+    print_tables(report)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{stamp}.json"
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        (out_dir / f"{stamp}.md").write_text(markdown(report))
+        say(f"results: {path} (+ .md); logs: {logs}")
+    failed = [n for n, r in report["systems"].items() if "error" in r]
+    return 1 if "mlx-grpo" in failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The bench's command line (the module docstring's first line is its description)."""
+    p = argparse.ArgumentParser(prog="python -m mlx_grpo.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="one step of mlx-grpo only (+ profile)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--steps", type=int, default=4, help="steps per system (the first is excluded)")
+    p.add_argument("--scaling-steps", type=int, default=2)
+    p.add_argument("--no-scaling", action="store_true")
+    p.add_argument("--model", default="default", help="mlx-grpo's model (smoke tests: a tiny one)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="results folder (default ./bench/results)"
+    )
+    p.add_argument("--timeout", type=float, default=900, help="seconds per system run")
+    p.add_argument(
+        "--peer-front",
+        action="store_true",
+        help="run mlx-lm-lora on mlx-grpo's skinny-GEMM front too (default: the same BLAS alone)",
+    )
+    return p
+
+
+def _run_systems(systems: list[str], peers: dict, base: Path | None, args, logs: Path) -> dict:
+    """Each system's run on the work unit, one after the other, with its summary; a
+    system that fails is recorded as {"error": ...} and the others still run (mlx-grpo
+    with its profile, for the floor report; the peers from their venvs on `base`)."""
+    results = {}
     for name in systems:
         say(f"{name}: {args.steps} step(s)")
         try:
@@ -548,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_runner(
                     sys.executable,
                     "mlx_grpo.bench.run_mlx_grpo",
-                    [*ours_args, "--profile"],
+                    ["--steps", str(args.steps), "--model", args.model, "--profile"],
                     args.timeout,
                     logs / f"{name}.log",
                 )
@@ -566,64 +596,57 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as e:
             say(f"{name}: {e}")
             res = {"error": str(e)}
-        report["systems"][name] = res
-    ours = report["systems"].get("mlx-grpo", {})
-    if "profile" in ours:
-        report["floor"] = floor_report(ours)
+        results[name] = res
+    return results
 
-    if not args.no_scaling:
-        report["scaling"] = []
-        main_row = ours.get("summary")
-        for g, t in sorted(SCALING + [(8, 64)]):
-            if (g, t) == (8, 64) and main_row:
-                report["scaling"].append(
-                    {
-                        "group": 8,
-                        "max_new_tokens": 64,
-                        "summary": main_row,
-                        "mlx_peak_gb": max(s["mlx_peak_gb"] for s in ours["steps"]),
-                    }
-                )
-                continue
-            say(f"scaling: G={g}, {t} new tokens")
-            try:
-                res = run_runner(
-                    sys.executable,
-                    "mlx_grpo.bench.run_mlx_grpo",
-                    [
-                        "--steps",
-                        str(args.scaling_steps),
-                        "--model",
-                        args.model,
-                        "--group",
-                        str(g),
-                        "--max-new-tokens",
-                        str(t),
-                    ],
-                    args.timeout,
-                    logs / f"scaling-G{g}-T{t}.log",
-                )
-                report["scaling"].append(
-                    {
-                        "group": g,
-                        "max_new_tokens": t,
-                        "summary": summarize(res),
-                        "mlx_peak_gb": max(s["mlx_peak_gb"] for s in res["steps"]),
-                        "steps": res["steps"],
-                    }
-                )
-            except BenchError as e:
-                report["scaling"].append({"group": g, "max_new_tokens": t, "error": str(e)})
 
-    print_tables(report)
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{stamp}.json"
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        (out_dir / f"{stamp}.md").write_text(markdown(report))
-        say(f"results: {path} (+ .md); logs: {logs}")
-    failed = [n for n, r in report["systems"].items() if "error" in r]
-    return 1 if "mlx-grpo" in failed else 0
+def _run_scaling(ours: dict, args, logs: Path) -> list[dict]:
+    """mlx-grpo at each (G, new tokens) of SCALING, in order, with the main run's
+    (8, 64) taken from `ours` (mlx-grpo's main run) rather than run again; a failed run
+    is recorded as {"error": ...}."""
+    rows = []
+    main_row = ours.get("summary")
+    for g, t in sorted(SCALING + [(8, 64)]):
+        if (g, t) == (8, 64) and main_row:
+            rows.append(
+                {
+                    "group": 8,
+                    "max_new_tokens": 64,
+                    "summary": main_row,
+                    "mlx_peak_gb": max(s["mlx_peak_gb"] for s in ours["steps"]),
+                }
+            )
+            continue
+        say(f"scaling: G={g}, {t} new tokens")
+        try:
+            res = run_runner(
+                sys.executable,
+                "mlx_grpo.bench.run_mlx_grpo",
+                [
+                    "--steps",
+                    str(args.scaling_steps),
+                    "--model",
+                    args.model,
+                    "--group",
+                    str(g),
+                    "--max-new-tokens",
+                    str(t),
+                ],
+                args.timeout,
+                logs / f"scaling-G{g}-T{t}.log",
+            )
+            rows.append(
+                {
+                    "group": g,
+                    "max_new_tokens": t,
+                    "summary": summarize(res),
+                    "mlx_peak_gb": max(s["mlx_peak_gb"] for s in res["steps"]),
+                    "steps": res["steps"],
+                }
+            )
+        except BenchError as e:
+            rows.append({"group": g, "max_new_tokens": t, "error": str(e)})
+    return rows
 
 
 if __name__ == "__main__":
