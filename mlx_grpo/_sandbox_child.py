@@ -224,17 +224,25 @@ def _allowed_roots(tmp):
 
 
 def _install_hook(read_roots, write_root, results_fd):
-    # Everything the hook uses is bound here, in its closure: the program can rebind
-    # module globals (this module's included), builtins and os/posixpath functions, but
-    # not these names, C functions, or the methods of exact str and bytes.
+    """Step 7 of the module docstring: the audit hook, and a refusal in place of each
+    function that creates a file with no audit event.
+
+    Everything the hook uses is bound when the helpers below are called, here, in the
+    closures they return: the program can rebind module globals (this module's
+    included, so these helpers too, but only after they have run), builtins and
+    os/posixpath functions, but not these names, C functions, or the methods of exact
+    str and bytes."""
+    deny = _violation(results_fd)
+    plain, check_path = _path_rules(deny, read_roots, write_root)
+    sys.addaudithook(_audit_hook(deny, plain, check_path))
+    _refuse_unaudited(deny)
+
+
+def _violation(results_fd):
+    """`deny(reason, detail)`, which reports a violation on the results descriptor and
+    ends the process; its own names bound here (see `_install_hook`)."""
     _exit, _write, _dumps = os._exit, os.write, json.dumps
-    _lstat, _readlink, _getcwd, _islnk = os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
-    _str, _bytes, _int, _tuple, _type, _repr = str, bytes, int, tuple, type, repr
-    _isinstance, _reversed, _enc = isinstance, reversed, sys.getfilesystemencoding()
-    _rcs, _denied = types.MappingProxyType(dict(VIOLATION_RC)), DENIED_MODULES
-    _write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
-    devices = frozenset({"/dev/null", "/dev/urandom", "/dev/random"})
-    write_roots = (write_root,)
+    _rcs = types.MappingProxyType(dict(VIOLATION_RC))
 
     def deny(reason, detail):
         """Report the violation and end the process: nothing can catch or undo it."""
@@ -242,6 +250,19 @@ def _install_hook(read_roots, write_root, results_fd):
             _write(results_fd, b"\n" + _dumps({"violation": [reason, detail]}).encode() + b"\n")
         finally:
             _exit(_rcs[reason])
+
+    return deny
+
+
+def _path_rules(deny, read_roots, write_root):
+    """(`plain`, `check_path`): a path argument as an exact str, and the check that it
+    resolves (symlinks followed with the bound functions only) inside `read_roots`, or
+    `write_root` for a write, else `deny`; its own names bound here (see `_install_hook`)."""
+    _lstat, _readlink, _getcwd, _islnk = os.lstat, os.readlink, os.getcwd, stat.S_ISLNK
+    _str, _bytes, _int, _type, _repr = str, bytes, int, type, repr
+    _isinstance, _reversed, _enc = isinstance, reversed, sys.getfilesystemencoding()
+    devices = frozenset({"/dev/null", "/dev/urandom", "/dev/random"})
+    write_roots = (write_root,)
 
     def plain(text):
         """An exact str from a str or bytes (subclasses included: join copies the raw
@@ -302,6 +323,16 @@ def _install_hook(read_roots, write_root, results_fd):
         if not inside(real, write_roots if write else read_roots):
             deny("forbidden_file", f"{event} {real}")
 
+    return plain, check_path
+
+
+def _audit_hook(deny, plain, check_path):
+    """The audit hook: which events are file access (checked by `check_path`), and
+    which are refused outright (sockets, new processes, signals, denied modules); its
+    own names bound here (see `_install_hook`)."""
+    _int, _tuple, _type = int, tuple, type
+    _denied = DENIED_MODULES
+    _write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
     write_events = frozenset({
         "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
         "os.chmod", "os.chown", "os.truncate", "os.utime", "os.chflags", "os.lchflags",
@@ -348,12 +379,17 @@ def _install_hook(read_roots, write_root, results_fd):
         elif event.startswith(module_prefixes) or event in module_events:
             deny("forbidden_module", event)
 
-    sys.addaudithook(hook)
+    return hook
+
+
+def _refuse_unaudited(deny):
+    """Replace os's and posix's UNAUDITED_FUNCTIONS by a call to `deny` (the hook
+    refuses a fresh copy of posix)."""
 
     def refuse(name):
         return lambda *args, **kwargs: deny("forbidden_file", f"os.{name}")
 
-    for name in UNAUDITED_FUNCTIONS:  # (the hook refuses a fresh copy of posix)
+    for name in UNAUDITED_FUNCTIONS:
         for module in (os, sys.modules["posix"]):
             if hasattr(module, name):
                 setattr(module, name, refuse(name))
