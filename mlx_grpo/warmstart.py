@@ -30,12 +30,14 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from mlx_grpo.config import RunConfig
+from mlx_grpo.credit import TrainingError
 from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import LossInputs
 from mlx_grpo.guidance import demonstration
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.rollout import Completion, Rollout, close_env, encode_prompt
+from mlx_grpo.update import apply_update, build_loss_inputs, policy_gradient
 
 
 def first_prompt(recipe: Recipe, tokenizer, task: Task, max_prompt_tokens: int) -> list[int]:
@@ -102,8 +104,6 @@ def sft_loss(
 
 def check_ranks(tc, dist: Dist) -> None:
     """Each rank needs at least one demonstration a step."""
-    from mlx_grpo.trainer import TrainingError
-
     if tc.sft_steps and tc.sft_batch_size < dist.size:
         raise TrainingError(
             f"train.sft_batch_size={tc.sft_batch_size} is smaller than the {dist.size} "
@@ -132,13 +132,6 @@ def warm_start(
     (`checkpoint.load_start`'s state after step k: adapters, optimizer state, NLLs,
     seconds) continues from there, to the model and optimizer the uninterrupted warm
     start would have had."""
-    from mlx_grpo.trainer import (
-        TrainingError,
-        apply_update,
-        build_loss_inputs,
-        policy_gradient,
-    )
-
     tc = cfg.train
     dist = dist or Dist()
     check_ranks(tc, dist)

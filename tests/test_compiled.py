@@ -16,7 +16,7 @@ from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import LossInputs, grpo_loss, micro_batches
 from mlx_grpo.logprobs import effective_lengths
 from mlx_grpo.models import apply_lora
-from mlx_grpo.trainer import policy_gradient
+from mlx_grpo.update import policy_gradient
 
 
 def _lora(model, seed=5):

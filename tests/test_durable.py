@@ -177,7 +177,7 @@ def test_a_step_saved_whose_latest_cannot_be_written_is_said_to_be_saved(tmp_pat
     output.on_full_disk=continue the run goes on without claiming to have lost it."""
     import mlx_grpo.checkpoint as ckpt
     from mlx_grpo.checkpoint import CheckpointError
-    from mlx_grpo.trainer import _unless_full_disk
+    from mlx_grpo.runstate import unless_full_disk
 
     run = tmp_path / "run"
     model, opt = nn.Linear(3, 2), optim.Adam(1e-3)
@@ -203,7 +203,7 @@ def test_a_step_saved_whose_latest_cannot_be_written_is_said_to_be_saved(tmp_pat
     )
     assert RunFolder(run).latest_step_dir() == run / "step-000002"
     said = []
-    assert _unless_full_disk(lambda: save(3), True, said.append, "this checkpoint") is None
+    assert unless_full_disk(lambda: save(3), True, said.append, "this checkpoint") is None
     assert said == [
         f"checkpoint: {run / 'step-000003'} is saved, but `latest` or the run's copy of its "
         "adapters could not be updated: No space left on device (a resume mends them); "

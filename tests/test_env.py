@@ -16,7 +16,7 @@ from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.recipe import Recipe
 from mlx_grpo.rollout import rollout_tasks
-from mlx_grpo.trainer import build_loss_inputs
+from mlx_grpo.update import build_loss_inputs
 
 TOY_ENV = Path(__file__).parent / "data" / "toy_env"
 
@@ -52,7 +52,8 @@ def test_every_sampled_token_of_an_episode_logs_the_entropy_it_was_drawn_at(tiny
     replies and the environment's answers) at the position that predicted that token.
     The step's `entropy/sampled` is their mean over every token of every episode:
     rewarded or not, trained or not."""
-    from mlx_grpo.trainer import CompletionRecord, _step_metrics
+    from mlx_grpo.credit import CompletionRecord
+    from mlx_grpo.monitor import step_metrics
 
     model, tok = tiny
     recipe, tasks, rollout = _toy_episodes(model, tok)
@@ -77,7 +78,7 @@ def test_every_sampled_token_of_an_episode_logs_the_entropy_it_was_drawn_at(tiny
     records = [CompletionRecord.of(c, s, False) for c, s in zip(rollout.completions, scored)]
     rewards = np.array([s.reward for s in scored])
     n = len(records)
-    out = _step_metrics(1, [{"seconds": 1.0, "tokens": n}], records, rewards, mx.zeros(n),
+    out = step_metrics(1, [{"seconds": 1.0, "tokens": n}], records, rewards, mx.zeros(n),
                         np.zeros(len(tasks), bool), [])  # fmt: skip
     # float64 means of float64 sums of float32 values: exact to about 1e-15
     assert out["entropy/sampled"] == pytest.approx(float(np.mean(got)), rel=1e-12)
@@ -171,8 +172,8 @@ def test_a_reinforced_episode_leaves_its_ill_formed_replies_out_of_the_loss(tiny
     reply its environment marked ill-formed (`info["format"]` False) leaves the loss
     mask; an episode pushed down keeps all of its replies. Also from a start
     (turns played before the prompt's loss, which the mask does not hold)."""
+    from mlx_grpo.credit import withheld_turns
     from mlx_grpo.env import StepResult
-    from mlx_grpo.trainer import withheld_turns
 
     _, _, rollout = _toy_episodes(*tiny)
     # Every other reply is marked ill-formed, whatever its text.
@@ -549,7 +550,7 @@ def test_a_below_average_episode_keeps_only_the_replies_an_above_average_one_was
     actions, not their tokens. Episodes with a positive advantage keep every reply."""
     import copy
 
-    from mlx_grpo.trainer import uncompared_turns
+    from mlx_grpo.credit import uncompared_turns
 
     _, _, rollout = _toy_episodes(*tiny)
     comps = rollout.completions

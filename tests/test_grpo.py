@@ -647,7 +647,7 @@ def test_micro_batches_give_the_whole_batch_loss_metrics_and_gradient(tiny_lp, l
     """The update split into micro-batches (whole groups together, a long group cut
     into runs of rows) sums to the one-piece update: loss, metrics and gradient."""
     from mlx_grpo.dist import Dist
-    from mlx_grpo.trainer import policy_gradient
+    from mlx_grpo.update import policy_gradient
 
     model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=5)
@@ -711,7 +711,7 @@ def test_lanes_give_the_whole_batch_reference_loss_metrics_and_gradient(tiny_lp,
     is built on its own stream."""
     from mlx_grpo.dist import Dist
     from mlx_grpo.lanes import Lanes
-    from mlx_grpo.trainer import policy_gradient, reference_pass
+    from mlx_grpo.update import policy_gradient, reference_pass
 
     model, _ = tiny_lp
     apply_lora(model, LoRAConfig(rank=4), seed=5)
@@ -804,13 +804,13 @@ def test_two_lanes_by_default_only_on_a_cpu_with_two_blas_threads_and_a_wide_eva
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "turn", "episode"])
 def test_folded_alike_rows_give_the_loss_metrics_and_gradient_of_every_row(tiny, loss_type, level):
-    """trainer.fold_alike_rows: a group's alike rows (the same episode) folded into one
+    """update.fold_alike_rows: a group's alike rows (the same episode) folded into one
     row of mask k give the loss, metrics and gradient of all of them, under every loss
     type; rows that differ in a token, the mask, the advantage or the kind (a
     demonstration) are not folded, and an empty row stays empty."""
     from mlx_grpo.dist import Dist
     from mlx_grpo.logprobs import completion_logprobs
-    from mlx_grpo.trainer import fold_alike_rows, policy_gradient
+    from mlx_grpo.update import fold_alike_rows, policy_gradient
 
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=5)
@@ -1142,7 +1142,7 @@ def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
     demonstrations alone has no on-policy `entropy`, `kl` or `entropy/reinforced`."""
     from mlx_grpo.dist import Dist
     from mlx_grpo.grpo import split_guided, split_reinforced
-    from mlx_grpo.trainer import policy_gradient
+    from mlx_grpo.update import policy_gradient
 
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=6)

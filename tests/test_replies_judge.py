@@ -21,14 +21,16 @@ def recipe():
 def test_docstring_examples():
     import doctest
 
+    import mlx_grpo.credit
+    import mlx_grpo.monitor
     import mlx_grpo.sandbox
     import mlx_grpo.stats
     import mlx_grpo.textstats
-    import mlx_grpo.trainer
+    import mlx_grpo.update
     import rewards.code
 
     modules = (replies, rewards.code, mlx_grpo.textstats, mlx_grpo.sandbox, mlx_grpo.stats)
-    modules += (mlx_grpo.trainer,)
+    modules += (mlx_grpo.credit, mlx_grpo.monitor, mlx_grpo.update)
     for module in modules:
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -27,16 +27,16 @@ TOY = Path(__file__).parent / "data" / "toy"
 # from the step-2 checkpoint.
 KILLED_AT_SAVE = r"""
 import os, sys
-import mlx_grpo.trainer as trainer
+import mlx_grpo.runstate as runstate
 
-real = trainer.save_checkpoint
+real = runstate.save_checkpoint
 
 def save(run_dir, step, *args):
     if step == 4:
         os._exit(137)
     return real(run_dir, step, *args)
 
-trainer.save_checkpoint = save
+runstate.save_checkpoint = save
 from mlx_grpo.cli import main
 main(sys.argv[1:])
 """

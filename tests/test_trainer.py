@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from conftest import cut_back
 
+import mlx_grpo.credit as credit_mod
+import mlx_grpo.monitor as monitor_mod
 import mlx_grpo.trainer as trainer_mod
 from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import ConfigError
@@ -337,29 +339,31 @@ def test_groups_that_never_scored_on_the_signal_component_are_left_out(tiny_mode
 def test_a_signal_component_the_rewards_lack_is_one_line():
     """(A recipe with weights has its components checked when the config loads; one
     without, whose reward is its one component, when the first rewards come in.)"""
-    from mlx_grpo.trainer import CompletionRecord, _unscored_groups
+    from mlx_grpo.credit import CompletionRecord, unscored_groups
 
     records = [CompletionRecord(1.0, {"reward": 1.0}, None, None, False, 1, None)] * 2
     with pytest.raises(TrainingError, match=r"^grpo.signal_component: .* no component 'succ"):
-        _unscored_groups(records, 2, "success")
-    assert _unscored_groups(records, 2, "reward").tolist() == [False]
+        unscored_groups(records, 2, "success")
+    assert unscored_groups(records, 2, "reward").tolist() == [False]
 
 
 def test_no_signal_warning_names_the_likely_cause():
-    from mlx_grpo.trainer import _zero_signal_cause
+    from mlx_grpo.monitor import zero_signal_cause
 
     r = np.zeros(8, dtype=np.float32)
     no = np.zeros(8, dtype=bool)
-    assert "scored 0" in _zero_signal_cause(r, no, best=1.5)
-    assert "best reward" in _zero_signal_cause(r + 1.5, no, best=1.5)
-    assert "too coarse" in _zero_signal_cause(np.repeat([0.2, 1.0], 4), no, best=1.5)
-    assert "max_new_tokens" in _zero_signal_cause(r, ~no, best=1.5)
+    assert "scored 0" in zero_signal_cause(r, no, best=1.5)
+    assert "best reward" in zero_signal_cause(r + 1.5, no, best=1.5)
+    assert "too coarse" in zero_signal_cause(np.repeat([0.2, 1.0], 4), no, best=1.5)
+    assert "max_new_tokens" in zero_signal_cause(r, ~no, best=1.5)
 
 
 def test_no_signal_warning_names_partial_credit_under_the_success_gate():
     """Every group left out, some for partial credit alone: the warning says so."""
     from mlx_grpo.config import RunConfig
-    from mlx_grpo.trainer import CompletionRecord, Counters, _warnings
+    from mlx_grpo.credit import CompletionRecord
+    from mlx_grpo.monitor import signal_warnings
+    from mlx_grpo.runstate import Counters
 
     cfg = RunConfig(
         recipe={"weights": {"success": 1.0, "format": 0.2}},
@@ -369,14 +373,14 @@ def test_no_signal_warning_names_partial_credit_under_the_success_gate():
     rewards = np.array([0.2, 0.0, 0.2, 0.2], dtype=np.float32)  # group 0 varies, in format
     records = [CompletionRecord(float(r), {}, None, None, False, 1, None) for r in rewards]
     said = []
-    _warnings(3, {}, rewards, records, np.array([True, True]), Counters(), cfg, said.append)
+    signal_warnings(3, {}, rewards, records, np.array([True, True]), Counters(), cfg, said.append)
     assert len(said) == 1 and "none of its samples scored on success" in said[0]
     assert "no sample scored on success: the open levels are beyond the policy" in said[0]
 
 
 def test_step_metrics_log_every_component_even_when_the_first_reward_raised():
     def record(components, failure=None):
-        return trainer_mod.CompletionRecord(
+        return credit_mod.CompletionRecord(
             reward=0.0,
             components=components,
             error=None,
@@ -391,7 +395,7 @@ def test_step_metrics_log_every_component_even_when_the_first_reward_raised():
         record({"ascii": 1.0, "short": 0.0}),
         record({"ascii": 0.5, "short": 1.0}),
     ]
-    out = trainer_mod._step_metrics(
+    out = monitor_mod.step_metrics(
         4,
         [{"seconds": 1.0, "tokens": 9}],
         records,
@@ -831,13 +835,13 @@ def test_a_crashed_browser_is_not_the_policys_failure(tiny_model_dir, tmp_path, 
         "            for i in range(len(completions))]\n",
     )
     seen = []
-    real = trainer_mod.group_advantages
+    real = credit_mod.group_advantages
 
     def spy(rewards, g, scale):
         seen.append(np.array(rewards))
         return real(rewards, g, scale)
 
-    monkeypatch.setattr(trainer_mod, "group_advantages", spy)
+    monkeypatch.setattr(credit_mod, "group_advantages", spy)
     taught = []
     build = trainer_mod.build_loss_inputs
 
@@ -920,14 +924,15 @@ def test_a_full_disk_while_logging_is_one_line(tiny_model_dir, tmp_path, monkeyp
 @pytest.mark.parametrize("key", ["entropy", "entropy/sampled"])
 def test_guards_warn_when_entropy_stays_above_twice_its_recent_median(key):
     from mlx_grpo.config import RunConfig
-    from mlx_grpo.trainer import Counters, _guards, guard_key
+    from mlx_grpo.monitor import guard_key, guards
+    from mlx_grpo.runstate import Counters
 
     cfg, counters, said = RunConfig(), Counters(), []
     entropy = [1.0, 0.8, 1.2] * 4 + [2.5, 3.0, 1.5, 2.6, 2.7, 2.8]  # median of the first 12: 1.0
     logged = []
     for step, e in enumerate(entropy, 1):
         m = {key: e, "kl": 0.01, "completion/len_mean": 10.0 if step < 15 else 31.0}
-        _guards(step, m, counters, cfg, said.append)
+        guards(step, m, counters, cfg, said.append)
         logged.append(m.get(guard_key(key)))
     assert logged[:10] == [None] * 10  # no median before 10 steps
     assert logged[12] == pytest.approx(2.5 / 1.0)
@@ -947,13 +952,14 @@ def test_an_entropy_spike_in_failures_alone_is_named_and_a_taught_one_warns_apar
     own: the warning says the spike is in the failures pushed down. When the reinforced
     replies' entropy itself climbs, its own guard warns (and logs its ratio)."""
     from mlx_grpo.config import RunConfig
-    from mlx_grpo.trainer import Counters, _guards
+    from mlx_grpo.monitor import guards
+    from mlx_grpo.runstate import Counters
 
     cfg, counters, said = RunConfig(), Counters(), []
     whole = [0.2] * 12 + [0.9, 1.0, 1.1]
     taught = [0.1] * 12 + [0.1, 0.12, 0.11]
     for step, (e, r) in enumerate(zip(whole, taught), 1):
-        _guards(
+        guards(
             step, {"entropy": e, "entropy/reinforced": r, "kl": 0.01}, counters, cfg, said.append
         )
     assert len(said) == 1 and said[0].startswith("step 15: entropy 1.1 has been above"), said
@@ -962,7 +968,7 @@ def test_an_entropy_spike_in_failures_alone_is_named_and_a_taught_one_warns_apar
     counters, said, m = Counters(), [], {}
     for step, r in enumerate([0.1] * 12 + [0.3, 0.35, 0.4], 1):
         m = {"entropy": 2 * r, "entropy/reinforced": r, "kl": 0.01}
-        _guards(step, m, counters, cfg, said.append)
+        guards(step, m, counters, cfg, said.append)
     assert m["guard/entropy_reinforced_x_median"] == pytest.approx(4.0)
     assert [x.split(" has")[0] for x in said] == [
         "step 15: entropy 0.8",
@@ -973,17 +979,17 @@ def test_an_entropy_spike_in_failures_alone_is_named_and_a_taught_one_warns_apar
 
 def test_a_drift_after_a_level_opened_names_the_success_gate_until_it_is_on():
     from mlx_grpo.config import RunConfig
-    from mlx_grpo.trainer import _guard_cause
+    from mlx_grpo.monitor import guard_cause
 
     hist = {"curriculum/max_level": [3.0] * 5 + [4.0]}
     weights = {"success": 1.0, "format": 0.2}
     cfg = RunConfig(recipe={"weights": weights})
-    said = _guard_cause("entropy", {}, hist, cfg)
+    said = guard_cause("entropy", {}, hist, cfg)
     assert "opened level 4" in said and "--grpo.signal_component=success" in said
     cfg = RunConfig(recipe={"weights": weights}, grpo={"signal_component": "success"})
-    said = _guard_cause("entropy", {}, hist, cfg)
+    said = guard_cause("entropy", {}, hist, cfg)
     assert "opened level 4" in said and "signal_component" not in said
-    said = _guard_cause("entropy", {}, hist, RunConfig(recipe={"weights": {"ascii": 1.0}}))
+    said = guard_cause("entropy", {}, hist, RunConfig(recipe={"weights": {"ascii": 1.0}}))
     assert "opened level 4" in said and "signal_component" not in said
 
 
@@ -993,12 +999,12 @@ def test_a_step_whose_entropy_leaves_its_range_writes_its_samples(
     """samples.jsonl holds a run's first step and every sample_every-th; with the guards'
     factor at 0 (every step that updated is "above" its median once one is known), the
     steps that updated after the first write theirs too, each record with its level."""
-    import mlx_grpo.trainer as trainer
+    import mlx_grpo.monitor as monitor
 
     opts = ["--train.steps=4", "--train.sample_every=100"]
     assert cmd_train(_args(tiny_model_dir, tmp_path, "calm", *opts)) == 0
-    monkeypatch.setattr(trainer, "GUARD_FACTOR", 0.0)
-    monkeypatch.setattr(trainer, "GUARD_WARMUP", {"entropy": 1, "kl": 1})
+    monkeypatch.setattr(monitor, "GUARD_FACTOR", 0.0)
+    monkeypatch.setattr(monitor, "GUARD_WARMUP", {"entropy": 1, "kl": 1})
     assert cmd_train(_args(tiny_model_dir, tmp_path, "drift", *opts)) == 0
 
     def steps(run):

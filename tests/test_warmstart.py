@@ -22,7 +22,8 @@ from mlx_grpo.grpo import micro_batches
 from mlx_grpo.log import PROCESS_METRICS
 from mlx_grpo.recipe import Recipe, Task
 from mlx_grpo.rollout import Rollout
-from mlx_grpo.trainer import TrainingError, build_loss_inputs
+from mlx_grpo.trainer import TrainingError
+from mlx_grpo.update import build_loss_inputs
 from mlx_grpo.warmstart import by_level, demonstrations, sft_loss, warm_start
 
 TOY_ENV = Path(__file__).parent / "data" / "toy_env"

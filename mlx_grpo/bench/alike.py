@@ -24,7 +24,7 @@ import numpy as np
 
 import mlx_grpo.logprobs as logprobs_mod
 import mlx_grpo.rollout as rollout_mod
-import mlx_grpo.trainer as trainer_mod
+import mlx_grpo.update as update_mod
 from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import group_advantages, grpo_loss, zero_variance_groups
 from mlx_grpo.recipe import Recipe
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                     raise SystemExit("no group with reward variance: try more --groups")
                 model.train()
                 tic = time.perf_counter()
-                batch = trainer_mod.build_loss_inputs(
+                batch = update_mod.build_loss_inputs(
                     rollout,
                     advantages,
                     cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
@@ -86,8 +86,8 @@ def main(argv=None) -> int:
                     fold=on and cfg.lora.dropout == 0,  # as the trainer folds
                     blame_replies=cfg.grpo.blame_replies,
                 )
-                trainer_mod.reference_pass(model, batch, cfg.grpo)
-                loss, _, grads, norm, _ = trainer_mod.policy_gradient(
+                update_mod.reference_pass(model, batch, cfg.grpo)
+                loss, _, grads, norm, _ = update_mod.policy_gradient(
                     model, grad_fn, batch, Dist(), 1e9, cfg.grpo.micro_batch_tokens
                 )
                 mx.eval(loss, grads)

@@ -298,7 +298,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     from mlx_grpo.grpo import group_advantages, grpo_loss
     from mlx_grpo.lanes import update_lanes
     from mlx_grpo.rollout import make_rollout_sampler, prefill_prompts
-    from mlx_grpo.trainer import apply_update, build_loss_inputs, policy_gradient, reference_pass
+    from mlx_grpo.update import apply_update, build_loss_inputs, policy_gradient, reference_pass
 
     g = rollout.group_size
     prompts = rollout.prompts
