@@ -194,12 +194,12 @@ def warn_weak() -> None:
             if _root_linux() and network_namespace_available()
             else "you, with your network"
         )
-        + "; only the audit hook keeps them from reading your files (README, Sandbox)",
+        + "; only the audit hook keeps them from reading your files (docs/sandbox.md)",
         file=sys.stderr,
     )
 
 
-_WEAK_HINT = "or opt in to weak isolation with --recipe.params.isolation=weak (README, Sandbox)"
+_WEAK_HINT = "or opt in to weak isolation with --recipe.params.isolation=weak (docs/sandbox.md)"
 
 
 @functools.cache
