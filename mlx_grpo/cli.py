@@ -183,8 +183,8 @@ def _train(dist, cfg: RunConfig, run_dir: Path, resume_from: Path | None, done: 
     """`cmd_train` once the run is claimed: load, set up and train."""
     import mlx.core as mx
 
-    from mlx_grpo._blas import blas_in_use
     from mlx_grpo.curriculum import make_curriculum
+    from mlx_grpo.device import blas_in_use
     from mlx_grpo.evaluate import make_eval_fn
     from mlx_grpo.log import Display
     from mlx_grpo.models import (

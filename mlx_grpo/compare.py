@@ -55,9 +55,9 @@ from pathlib import Path
 
 from mlx_grpo import evalcache
 from mlx_grpo.config import ConfigError, RunConfig, build_config, parse_overrides
+from mlx_grpo.device import prepare_training as keep_freed_memory
 from mlx_grpo.durable import check_writable
 from mlx_grpo.evaluate import TaskResult
-from mlx_grpo.procmem import keep_freed_memory
 from mlx_grpo.recipe import INFRASTRUCTURE_FAILURES, Recipe, Task, recipe_defaults, recipe_dir
 from mlx_grpo.report import (
     Report,

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from mlx_grpo import fastmath, native
+from mlx_grpo import fastmath
 from mlx_grpo.logprobs import length_buckets
 
 MIN_CAPACITY = 64  # columns
@@ -108,9 +108,10 @@ def _tied(model: nn.Module) -> bool:
 
 def lean_applies(model: nn.Module) -> bool:
     """Whether `lean_logits` computes this model's decode step: an mlx_lm llama, qwen2
-    or qwen3 (the fast subclasses of `models.use_fast_*` included) whose projections are
-    plain `nn.Linear`s (adapters folded, not quantized) and whose rotary embedding turns
-    the whole head as one half against the other (`traditional` off)."""
+    or qwen3 (with the CPU's attention and MLP of `device.adapt_model` too) whose
+    projections are plain `nn.Linear`s (adapters folded, not quantized) and whose
+    rotary embedding turns the whole head as one half against the other (`traditional`
+    off)."""
     from mlx_lm.models import llama, qwen2, qwen3
 
     inner = getattr(model, "model", None)
@@ -193,7 +194,7 @@ def lean_logits(
             q, k = attn.q_norm(q), attn.k_norm(k)
         keys, values = c.update_and_fetch(rotate(k).astype(k.dtype), v)
         q = rotate(q).astype(q.dtype) * attn.scale
-        out = native.decode_attention(q.reshape(b, hq, d), keys, values, seen)
+        out = fastmath.decode_attention(q.reshape(b, hq, d), keys, values, seen)
         if out is None:
             scores = q @ keys.swapaxes(-1, -2) + bias
             out = mx.softmax(scores, axis=-1, precise=True) @ values  # [B, hkv, rep, d]

@@ -115,7 +115,7 @@ def _distributions() -> list[list[str]]:
 def _machine() -> dict:
     import mlx.core as mx
 
-    from mlx_grpo._blas import _cpu_signature, blas_in_use
+    from mlx_grpo.device import blas_in_use, cpu_signature
 
     try:
         info = mx.device_info()
@@ -125,7 +125,7 @@ def _machine() -> dict:
     # free_memory, which differs on every call and would make every key new.
     device = {k: info[k] for k in sorted(_CHIP_KEYS & set(info))} or None
     return {
-        "cpu": _cpu_signature(),
+        "cpu": cpu_signature(),
         "blas": blas_in_use(),
         "device": str(mx.default_device()),
         "device_info": device,

@@ -187,7 +187,7 @@ def micro_batches(
 def lane_pieces(batch: LossInputs, lanes: int, share: bool = True) -> list[LossInputs]:
     """`batch` in at most `lanes` pieces of about equal sequence positions (`share` as
     for `micro_batches`), to run side
-    by side (`mlx_grpo.lanes`): runs of whole groups where there are at least `lanes`
+    by side (`device.Lanes`): runs of whole groups where there are at least `lanes`
     groups, else each group's rows in runs (each run with its group's prompt). Every
     piece carries the whole batch's counts, as `micro_batches`'s do."""
     n, b = batch.completions.shape[0], len(batch.prompts)

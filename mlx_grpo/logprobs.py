@@ -3,8 +3,8 @@
 
 `completion_logprobs` gives, for every completion token, log p(token | prompt, earlier
 tokens) and the entropy of that position's distribution, differentiably and in float32.
-For models whose attention runs through `models.use_fast_attention` (llama, qwen2,
-qwen3), the whole micro-batch is one packed pass (`_Packed`):
+For models whose attention the device seam gave the CPU's (`device.adapt_model`: llama,
+qwen2, qwen3 on a Linux CPU), the whole micro-batch is one packed pass (`_Packed`):
 - every token that feeds a prediction sits once in one [N, 1] batch (each group's
   prompt once, then each completion up to its length, no padding, less the inputs it
   opens with alike an earlier completion of its group: `shared_inputs`), so each
@@ -29,7 +29,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
 
-from mlx_grpo import fastmath, native
+from mlx_grpo import fastmath
+from mlx_grpo.device import packs_rows
 
 
 def _output_head(model: nn.Module):
@@ -351,7 +352,7 @@ class _Packed:
     [N, 1] tokens, a batch of N one-token rows, so that the rotary embedding takes each
     position's own offset and every linear layer sees N rows. As every layer's cache,
     this object passes keys and values through and answers the attention (`attend`,
-    reached through `models._fast_sdpa`)."""
+    reached through `mlx_grpo.cpu.layers`' attention)."""
 
     def __init__(
         self,
@@ -418,13 +419,13 @@ class _Packed:
     def attend(self, queries, keys, values, scale: float) -> mx.array:
         """Attention of every position ([N, H, 1, D] queries, [N, Hkv, 1, D] keys and
         values) to its own prompt and its own row's earlier positions: one op where the
-        native one loaded (`mlx_grpo.native`, Linux CPUs). Otherwise, with MLX's ops, rows
-        are cut out as slices (a row that shares inputs with an earlier one also takes
-        those positions, whose outputs it drops) and padded at their end (after what the
-        padding could affect, the mask being causal), not gathered: a gather's backward is
-        a scatter, which costs a CPU twice as much."""
+        native one loaded (`fastmath.packed_attention`, Linux CPUs). Otherwise, with
+        MLX's ops, rows are cut out as slices (a row that shares inputs with an earlier
+        one also takes those positions, whose outputs it drops) and padded at their end
+        (after what the padding could affect, the mask being causal), not gathered: a
+        gather's backward is a scatter, which costs a CPU twice as much."""
         q, k, v = queries[:, :, 0], keys[:, :, 0], values[:, :, 0]
-        out = native.packed_attention(q, k, v, self.seen, scale)
+        out = fastmath.packed_attention(q, k, v, self.seen, scale)
         if out is not None:
             return out[:, :, None]
 
@@ -485,11 +486,9 @@ def _first_inputs(runs: list[tuple[int, int]], s: int) -> list[tuple[int, int]]:
 
 
 def _packable(model: nn.Module) -> bool:
-    """Whether every layer's attention answers through `models._fast_sdpa` (which hands
-    a `_Packed` cache the attention)."""
-    from mlx_grpo.models import attends_through_cache
-
-    return all(attends_through_cache(layer.self_attn) for layer in model.layers)
+    """Whether every layer's attention hands a `_Packed` cache the attention (on a Linux
+    CPU, once `device.adapt_model` gave the layers the CPU's attention)."""
+    return packs_rows(model)
 
 
 def _packed_logprobs(

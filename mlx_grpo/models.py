@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import types
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
-from mlx_lm.models.base import scaled_dot_product_attention as _mlx_lm_sdpa
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import dequantize_model, load
 
-from mlx_grpo import fastmath
 from mlx_grpo.config import LoRAConfig, ModelConfig
+from mlx_grpo.device import adapt_model
 
 DEFAULT_MODEL = "default"
 
@@ -47,7 +45,8 @@ def load_model(cfg: ModelConfig):
 
     On a CPU, quantized weights are dequantized and floats cast to float32 unless the
     config says otherwise (quantized and half-precision matmuls are slow on MLX's CPU
-    backend); on a GPU the checkpoint's own format is kept.
+    backend); on a GPU the checkpoint's own format is kept. Last, the device seam gives
+    the blocks this device's attention and MLP (`device.adapt_model`).
     """
     try:
         path = resolve_model_path(cfg.path)
@@ -87,102 +86,8 @@ def load_model(cfg: ModelConfig):
             )
         )
     mx.eval(model.parameters())
-    use_fast_swiglu(model)
-    use_fast_attention(model)
+    adapt_model(model)
     return model, tokenizer
-
-
-def _swiglu_mlps() -> tuple[type, ...]:
-    """mlx_lm's gated MLPs whose call is exactly down(swiglu(gate(x), up(x)))."""
-    from mlx_lm.models import llama, qwen2, qwen3
-
-    return llama.MLP, qwen2.MLP, qwen3.MLP
-
-
-_FAST_MLPS: dict[type, type] = {}
-
-
-def _fast_mlp_class(cls: type) -> type:
-    if cls not in _FAST_MLPS:
-
-        def __call__(self, x: mx.array) -> mx.array:
-            return self.down_proj(fastmath.swiglu(self.gate_proj(x), self.up_proj(x)))
-
-        _FAST_MLPS[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
-    return _FAST_MLPS[cls]
-
-
-def use_fast_swiglu(model: nn.Module) -> int:
-    """Give every block's gated MLP `fastmath.swiglu` in place of mlx_lm's (whose sigmoid
-    is scalar on MLX's CPU backend); returns how many MLPs changed. The module keeps
-    its class's name, its children and so its parameter names (adapters, checkpoints
-    and exports are unchanged); on a GPU `fastmath.swiglu` is mlx_lm's."""
-    return _swap_classes(model, "mlp", _swiglu_mlps(), _fast_mlp_class)
-
-
-def _swap_classes(model: nn.Module, attr: str, plain: tuple[type, ...], subclass) -> int:
-    """Give each block's `attr` module whose class is one of `plain` the class
-    `subclass(its class)`; returns how many changed."""
-    n = 0
-    for layer in getattr(model, "layers", []):
-        module = getattr(layer, attr, None)
-        if type(module) in plain:
-            module.__class__ = subclass(type(module))
-            n += 1
-    return n
-
-
-def _fast_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx_lm's `scaled_dot_product_attention` with `fastmath.attention` for the plain
-    case; quantized caches and attention sinks keep mlx_lm's own, and a cache that
-    knows its own attention pattern (`logprobs._Packed`) answers it."""
-    if sinks is None and hasattr(cache, "attend"):
-        return cache.attend(queries, keys, values, scale)
-    if sinks is not None or hasattr(cache, "bits"):
-        return _mlx_lm_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    return fastmath.attention(queries, keys, values, scale, mask)
-
-
-def _attentions() -> tuple[type, ...]:
-    """mlx_lm's attention layers whose call reaches SDPA through their module's
-    `scaled_dot_product_attention`."""
-    from mlx_lm.models import llama, qwen2, qwen3
-
-    return llama.Attention, qwen2.Attention, qwen3.Attention
-
-
-_FAST_ATTENTIONS: dict[type, type] = {}
-
-
-def _fast_attention_class(cls: type) -> type:
-    """A subclass whose `__call__` is mlx_lm's own code, run with `_fast_sdpa` as its
-    `scaled_dot_product_attention` (nothing of mlx_lm's is modified or copied)."""
-    if cls not in _FAST_ATTENTIONS:
-        call = cls.__call__
-        scope = {**call.__globals__, "scaled_dot_product_attention": _fast_sdpa}
-        fast = types.FunctionType(
-            call.__code__, scope, call.__name__, call.__defaults__, call.__closure__
-        )
-        fast.__kwdefaults__, fast.__qualname__ = call.__kwdefaults__, call.__qualname__
-        _FAST_ATTENTIONS[cls] = type(cls.__name__, (cls,), {"__call__": fast})
-    return _FAST_ATTENTIONS[cls]
-
-
-def attends_through_cache(attention: nn.Module) -> bool:
-    """Whether this attention layer's SDPA is `_fast_sdpa` (see `use_fast_attention`)."""
-    return type(attention) in _FAST_ATTENTIONS.values()
-
-
-def use_fast_attention(model: nn.Module) -> int:
-    """Give every block's attention `fastmath.attention` in place of
-    `mx.fast.scaled_dot_product_attention`, which MLX's CPU backend computes unfused with
-    its scalar exp over the whole score array; returns how many layers changed. As for
-    `use_fast_swiglu`, the class name, children and parameter names stay; on a GPU
-    `fastmath.attention` is MLX's own."""
-    plain = tuple(
-        c for c in _attentions() if "scaled_dot_product_attention" in c.__call__.__code__.co_names
-    )
-    return _swap_classes(model, "self_attn", plain, _fast_attention_class)
 
 
 def lora_parameters(cfg: LoRAConfig) -> dict:

@@ -135,14 +135,14 @@ def test_a_runner_cut_off_by_its_limit_reports_its_finished_steps(tmp_path, monk
 def test_the_peers_run_on_the_same_blas_without_the_front_unless_asked(tmp_path, monkeypatch):
     """mlx-lm-lora's products go to the BLAS mlx-grpo chose, not through mlx-grpo's own
     skinny-GEMM front, unless --peer-front; the report names each system's BLAS."""
-    from mlx_grpo._blas import blas_in_use
     from mlx_grpo.bench import speed
+    from mlx_grpo.device import blas_in_use
 
     (tmp_path / "blas_runner.py").write_text(
         "import json\n"
         "from mlx_grpo.bench import work_unit as wu\n"
         "import mlx.core as mx\n"
-        "from mlx_grpo._blas import blas_in_use\n"
+        "from mlx_grpo.device import blas_in_use\n"
         "print(wu.RESULT_TAG + json.dumps({'blas': blas_in_use()}), flush=True)\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_grpo import _blas
+from mlx_grpo.cpu import blas as blaslib
+from mlx_grpo.cpu.lanes import EVAL_WIDTH
 
 LINUX = sys.platform == "linux"
 linux_only = pytest.mark.skipif(not LINUX, reason="the BLAS is chosen on Linux only")
@@ -24,12 +25,12 @@ needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build a test 
 # A 96x80 @ 80x64 float32 product through MLX against numpy's in float64, and the BLAS.
 SNIPPET = """
 import json, mlx_grpo, mlx.core as mx, numpy as np
-from mlx_grpo._blas import _state
+from mlx_grpo.cpu.blas import state
 r = np.random.default_rng(1)
 a, b = r.standard_normal((96, 80)).astype(np.float32), r.standard_normal((80, 64)).astype(np.float32)
 err = np.abs(np.array(mx.array(a) @ mx.array(b)) - a.astype(np.float64) @ b).max()
 bound = 80 * np.finfo(np.float32).eps * (np.abs(a).astype(np.float64) @ np.abs(b)).max()
-blas = _state["blas"]
+blas = state["blas"]
 print(json.dumps({"name": blas.name, "path": blas.path, "ok": bool(err <= bound)}))
 """
 
@@ -124,7 +125,7 @@ def test_a_file_that_is_no_library_is_passed_over(tmp_path):
         ("int deflate(void) { return 0; }", "not a BLAS: it exports no cblas_sgemm"),
         # libscipy_openblas.so itself: a BLAS, but not under the names MLX resolves
         (
-            "".join(f"void scipy_{s}(void) {{}}\n" for s in _blas.MLX_BLAS_SYMBOLS),
+            "".join(f"void scipy_{s}(void) {{}}\n" for s in blaslib.MLX_BLAS_SYMBOLS),
             "MLX_GRPO_OPENBLAS=scipy-openblas32",
         ),
     ],
@@ -153,7 +154,7 @@ def test_mlx_imported_first_keeps_its_own_blas_and_says_so(tmp_path):
     """On a CPU the line says it; on a GPU the BLAS hardly matters, and nothing is said."""
     env = {**os.environ, "MLX_GRPO_CACHE": str(tmp_path / "cache")}
     late = (
-        "import mlx.core as mx; import mlx_grpo; from mlx_grpo._blas import blas_in_use; "
+        "import mlx.core as mx; import mlx_grpo; from mlx_grpo.cpu.blas import blas_in_use; "
         "print(blas_in_use()); print(mx.default_device() == mx.cpu)"
     )
     done = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, env=env)
@@ -170,10 +171,10 @@ def test_mlx_imported_first_keeps_its_own_blas_and_says_so(tmp_path):
 @linux_only
 @pytest.mark.parametrize("name", ["system", "scipy-openblas32", "cmeel-openblas"])
 def test_each_installed_candidate_is_used_when_named(tmp_path, name):
-    lib, why = _blas._locate(name)
+    lib, why = blaslib.locate(name)
     if lib is None:
         pytest.skip(f"{name}: {why}")
-    verdict = _blas.probe(lib, 1, use_cache=False)
+    verdict = blaslib.probe(lib, 1, use_cache=False)
     if not verdict["ok"]:
         pytest.skip(f"{name} does not run on this machine: {verdict['reason']}")
     result, stderr = run_snippet(tmp_path, MLX_GRPO_OPENBLAS=name)
@@ -183,9 +184,9 @@ def test_each_installed_candidate_is_used_when_named(tmp_path, name):
 @linux_only
 def test_no_candidate_at_all_falls_back_to_mlx_blas_with_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path))
-    monkeypatch.setattr(_blas, "_locate", lambda name: (None, "not installed"))
-    blas, warning = _blas.choose({})
-    assert blas == _blas.Blas("builtin", None)
+    monkeypatch.setattr(blaslib, "locate", lambda name: (None, "not installed"))
+    blas, warning = blaslib.choose({})
+    assert blas == blaslib.Blas("builtin", None)
     assert warning.startswith("no usable OpenBLAS (system: not installed;")
     assert "apt-get install libopenblas0-pthread" in warning
 
@@ -201,21 +202,21 @@ def test_a_thread_capped_build_yields_to_an_uncapped_one(monkeypatch, tmp_path):
         libs["system"]: "OpenBLAS SKYLAKEX MAX_THREADS=4",
         libs["cmeel-openblas"]: "OpenBLAS DYNAMIC_ARCH MAX_THREADS=64",
     }
-    monkeypatch.setattr(_blas, "_locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
+    monkeypatch.setattr(blaslib, "locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
     monkeypatch.setattr(
-        _blas, "probe", lambda lib, t: {"ok": True, "reason": "", "config": configs[lib]}
+        blaslib, "probe", lambda lib, t: {"ok": True, "reason": "", "config": configs[lib]}
     )
-    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "8"})
+    blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": "8"})
     assert (blas.name, blas.threads) == ("cmeel-openblas", 8)
     assert warning.startswith("system: built for at most 4 threads; using")
-    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "4"})
+    blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": "4"})
     assert (blas.name, blas.threads, warning) == ("system", 4, None)
     libs["cmeel-openblas"] = None  # only the capped one: used, at its cap
-    blas, _ = _blas.choose({"OPENBLAS_NUM_THREADS": "8"})
+    blas, _ = blaslib.choose({"OPENBLAS_NUM_THREADS": "8"})
     assert (blas.name, blas.threads) == ("system", 4)
     # Past 64 cores every usual build is capped at 64: no reason to pass one over.
     configs[libs["system"]] = "OpenBLAS Zen MAX_THREADS=64"
-    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "96"})
+    blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": "96"})
     assert (blas.name, blas.threads, warning) == ("system", 64, None)
 
 
@@ -224,14 +225,16 @@ def test_the_library_loads_with_the_threads_it_was_probed_with(monkeypatch):
     it loads, and the environment is as it was afterwards."""
     seen = []
     monkeypatch.setattr(
-        _blas.ctypes, "CDLL", lambda path, mode: seen.append(os.environ.get("OPENBLAS_NUM_THREADS"))
+        blaslib.ctypes,
+        "CDLL",
+        lambda path, mode: seen.append(os.environ.get("OPENBLAS_NUM_THREADS")),
     )
-    monkeypatch.setattr(_blas, "_set_threads", lambda lib, n: seen.append(n))
+    monkeypatch.setattr(blaslib, "set_threads", lambda lib, n: seen.append(n))
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    _blas._load("/x/libopenblas.so", 3)
+    blaslib.load("/x/libopenblas.so", 3)
     assert seen == ["3", 3] and "OPENBLAS_NUM_THREADS" not in os.environ
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "16")
-    _blas._load("/x/libopenblas.so", 2)
+    blaslib.load("/x/libopenblas.so", 2)
     assert seen[2:] == ["2", 2] and os.environ["OPENBLAS_NUM_THREADS"] == "16"
 
 
@@ -241,13 +244,13 @@ def test_a_probe_that_gives_no_verdict_is_not_cached(monkeypatch, tmp_path):
     import subprocess
 
     monkeypatch.setattr(
-        _blas.subprocess,
+        blaslib.subprocess,
         "run",
         lambda *a, **k: subprocess.CompletedProcess(
             a, 1, "", "ImportError: libmlx.so: no such file"
         ),
     )
-    verdict = _blas._run_probe(tmp_path / "libx.so", 2)
+    verdict = blaslib.run_probe(tmp_path / "libx.so", 2)
     assert verdict["transient"] and verdict["reason"].endswith(
         "ImportError: libmlx.so: no such file"
     )
@@ -294,18 +297,18 @@ def test_the_shim_forwards_every_blas_and_lapack_symbol_mlx_imports():
         if n.startswith("cblas_") or (n.endswith("_") and n[:1] in "sdcz" and n[1:-1].isalpha())
     }
     assert imported, "libmlx.so imports no BLAS symbol: how does it compute matmuls?"
-    assert imported <= set(_blas.MLX_BLAS_SYMBOLS + _blas.MLX_LAPACK_SYMBOLS)
+    assert imported <= set(blaslib.MLX_BLAS_SYMBOLS + blaslib.MLX_LAPACK_SYMBOLS)
 
 
 def test_threads_follow_the_physical_cores_and_are_shared_between_local_ranks(tmp_path):
-    cores = _blas.physical_cores()
+    cores = blaslib.physical_cores()
     assert 1 <= cores <= (os.cpu_count() or 1)
-    assert _blas.blas_threads({}) == cores
-    assert _blas.blas_threads({"OPENBLAS_NUM_THREADS": "3"}) == 3
+    assert blaslib.blas_threads({}) == cores
+    assert blaslib.blas_threads({"OPENBLAS_NUM_THREADS": "3"}) == 3
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
     env = {"MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}
-    assert _blas.blas_threads(env) == max(1, cores // 2)
+    assert blaslib.blas_threads(env) == max(1, cores // 2)
 
 
 @pytest.mark.parametrize("given", ["abc", "0", "-2", "1.5", "\u00b2"])
@@ -313,24 +316,24 @@ def test_a_thread_count_that_is_not_one_is_said_and_the_default_used(monkeypatch
     """OpenBLAS reads these as unset; the count used instead is named, not guessed at."""
     lib = Path("/lib/libx.so")
     monkeypatch.setattr(
-        _blas, "_locate", lambda n: (lib, "") if n == "system" else (None, "not installed")
+        blaslib, "locate", lambda n: (lib, "") if n == "system" else (None, "not installed")
     )
-    monkeypatch.setattr(_blas, "probe", lambda lib, t: {"ok": True, "reason": "", "config": ""})
-    default = _blas.blas_threads({})
-    assert _blas.blas_threads({"OPENBLAS_NUM_THREADS": given}) == default
-    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": given})
+    monkeypatch.setattr(blaslib, "probe", lambda lib, t: {"ok": True, "reason": "", "config": ""})
+    default = blaslib.blas_threads({})
+    assert blaslib.blas_threads({"OPENBLAS_NUM_THREADS": given}) == default
+    blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": given})
     assert blas.threads == default
     assert warning == (
         f"OPENBLAS_NUM_THREADS={given!r}: not a whole number above 0; using {default} "
         "threads (this process's share of the physical cores)"
     )
     for valid, threads in (("3", 3), (" 5 ", 5), ("", default)):  # said nothing about
-        blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": valid})
+        blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": valid})
         assert (blas.threads, warning) == (threads, None)
 
 
 def test_local_ranks_share_the_cores(tmp_path):
-    from mlx_grpo._blas import local_ranks
+    from mlx_grpo.cpu.blas import local_ranks
 
     hostfile = tmp_path / "hosts.json"  # what mlx.launch --backend ring writes
     hostfile.write_text(
@@ -348,14 +351,14 @@ def test_local_ranks_share_the_cores(tmp_path):
 def test_a_rank_of_two_on_this_machine_gets_half_the_cores(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
-    snippet = "import mlx_grpo; from mlx_grpo._blas import _state; print(_state['blas'].threads)"
+    snippet = "import mlx_grpo; from mlx_grpo.cpu.blas import state; print(state['blas'].threads)"
     env = {**os.environ, "MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}
     env.pop("OPENBLAS_NUM_THREADS", None)
     env.pop("MLX_GRPO_OPENBLAS", None)
     out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env)
     if "no usable OpenBLAS" in out.stderr or out.stdout.strip() == "None":
         pytest.skip("no OpenBLAS here")
-    assert out.stdout.strip() == str(max(1, _blas.physical_cores() // 2)), out.stderr
+    assert out.stdout.strip() == str(max(1, blaslib.physical_cores() // 2)), out.stderr
 
 
 @linux_only
@@ -370,13 +373,13 @@ def test_a_probe_killed_from_outside_or_hung_is_not_cached(monkeypatch, tmp_path
         return dict(verdict)
 
     hung = {"ok": False, "reason": "its probe hung", "config": "", "transient": True}
-    monkeypatch.setattr(_blas, "_run_probe", lambda p, t, c=None: run(p, t, hung))
-    assert _blas.probe(lib, 2)["reason"] == "its probe hung"
-    assert _blas.probe(lib, 2)["reason"] == "its probe hung"
+    monkeypatch.setattr(blaslib, "run_probe", lambda p, t, c=None: run(p, t, hung))
+    assert blaslib.probe(lib, 2)["reason"] == "its probe hung"
+    assert blaslib.probe(lib, 2)["reason"] == "its probe hung"
     assert len(calls) == 2  # probed again
     crashed = {"ok": False, "reason": "its probe was killed by SIGILL", "config": ""}
-    monkeypatch.setattr(_blas, "_run_probe", lambda p, t, c=None: run(p, t, crashed))
-    assert _blas.probe(lib, 2) == _blas.probe(lib, 2) == crashed
+    monkeypatch.setattr(blaslib, "run_probe", lambda p, t, c=None: run(p, t, crashed))
+    assert blaslib.probe(lib, 2) == blaslib.probe(lib, 2) == crashed
     assert len(calls) == 3  # a crash on this CPU is remembered
 
 
@@ -384,15 +387,15 @@ def test_a_probe_killed_from_outside_or_hung_is_not_cached(monkeypatch, tmp_path
 def test_a_candidate_named_but_not_installed_is_said(monkeypatch, tmp_path):
     other = tmp_path / "b.so"
     monkeypatch.setattr(
-        _blas,
-        "_locate",
+        blaslib,
+        "locate",
         lambda n: (other, "") if n == "cmeel-openblas" else (None, "not installed"),
     )
-    monkeypatch.setattr(_blas, "probe", lambda lib, t: {"ok": True, "reason": "", "config": ""})
-    blas, warning = _blas.choose({"MLX_GRPO_OPENBLAS": "system", "OPENBLAS_NUM_THREADS": "2"})
+    monkeypatch.setattr(blaslib, "probe", lambda lib, t: {"ok": True, "reason": "", "config": ""})
+    blas, warning = blaslib.choose({"MLX_GRPO_OPENBLAS": "system", "OPENBLAS_NUM_THREADS": "2"})
     assert blas.name == "cmeel-openblas"
     assert warning.startswith("system: not installed; using")
-    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})  # not asked for: quiet
+    blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": "2"})  # not asked for: quiet
     assert blas.name == "cmeel-openblas" and warning is None
 
 
@@ -403,7 +406,7 @@ def test_a_forced_value_that_is_neither_a_file_nor_a_name_is_said_so(monkeypatch
     monkeypatch.chdir(tmp_path)
     system = tmp_path / "system.so"
     monkeypatch.setattr(
-        _blas, "_locate", lambda n: (system, "") if n == "system" else (None, "not installed")
+        blaslib, "locate", lambda n: (system, "") if n == "system" else (None, "not installed")
     )
     probed = []
 
@@ -411,16 +414,16 @@ def test_a_forced_value_that_is_neither_a_file_nor_a_name_is_said_so(monkeypatch
         probed.append(Path(lib))
         return {"ok": True, "reason": "", "config": ""}
 
-    monkeypatch.setattr(_blas, "probe", probe)
+    monkeypatch.setattr(blaslib, "probe", probe)
     env = {"OPENBLAS_NUM_THREADS": "2"}
-    blas, warning = _blas.choose({**env, "MLX_GRPO_OPENBLAS": "fastest"})
+    blas, warning = blaslib.choose({**env, "MLX_GRPO_OPENBLAS": "fastest"})
     assert blas.name == "system" and probed == [system]
     assert warning == (
         "MLX_GRPO_OPENBLAS=fastest: neither a file nor one of system, scipy-openblas32, "
         f"cmeel-openblas, builtin; using {blas.describe()}"
     )
     (tmp_path / "libmine.so").write_bytes(b"x")  # a file here, named without a slash
-    blas, warning = _blas.choose({**env, "MLX_GRPO_OPENBLAS": "libmine.so"})
+    blas, warning = blaslib.choose({**env, "MLX_GRPO_OPENBLAS": "libmine.so"})
     assert (blas.name, blas.path, warning) == ("custom", str(tmp_path / "libmine.so"), None)
 
 
@@ -443,18 +446,18 @@ def test_a_malformed_cached_verdict_is_probed_again(monkeypatch, tmp_path, entry
     lib.write_bytes(b"x")
     good = {"ok": True, "reason": "", "config": "OpenBLAS MAX_THREADS=64"}
     calls = []
-    monkeypatch.setattr(_blas, "_run_probe", lambda p, t, c=None: calls.append(p) or dict(good))
-    assert _blas.probe(lib, 2) == good
+    monkeypatch.setattr(blaslib, "run_probe", lambda p, t, c=None: calls.append(p) or dict(good))
+    assert blaslib.probe(lib, 2) == good
     (cached,) = (tmp_path / "blas").glob("verdict-*.json")
     cached.write_text(json.dumps(entry))
-    assert _blas.probe(lib, 2) == good and len(calls) == 2
+    assert blaslib.probe(lib, 2) == good and len(calls) == 2
     assert json.loads(cached.read_text()) == good
-    assert _blas.probe(lib, 2) == good and len(calls) == 2  # and that one is used
+    assert blaslib.probe(lib, 2) == good and len(calls) == 2  # and that one is used
     monkeypatch.setattr(
-        _blas, "_locate", lambda n: (lib, "") if n == "system" else (None, "not installed")
+        blaslib, "locate", lambda n: (lib, "") if n == "system" else (None, "not installed")
     )
     cached.write_text(json.dumps(entry))
-    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})
+    blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": "2"})
     assert (blas.name, blas.path, warning) == ("system", str(lib), None)
 
 
@@ -467,17 +470,17 @@ def test_a_cpu_quota_is_found_under_cgroup_v1_and_v2(tmp_path):
     (d / "cpu.cfs_quota_us").write_text("200000\n")
     (d / "cpu.cfs_period_us").write_text("100000\n")
     own.write_text("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n")
-    assert _blas.cpu_quota(v1, own) == 2.0
+    assert blaslib.cpu_quota(v1, own) == 2.0
     (d / "cpu.cfs_quota_us").write_text("-1\n")  # no quota
-    assert _blas.cpu_quota(v1, own) is None
+    assert blaslib.cpu_quota(v1, own) is None
     v2 = tmp_path / "v2"
     (v2 / "user.slice" / "job").mkdir(parents=True)
     (v2 / "user.slice" / "cpu.max").write_text("150000 100000\n")  # a parent's quota
     (v2 / "user.slice" / "job" / "cpu.max").write_text("max 100000\n")
     own.write_text("0::/user.slice/job\n")
-    assert _blas.cpu_quota(v2, own) == 1.5
+    assert blaslib.cpu_quota(v2, own) == 1.5
     (v2 / "cpu.max").write_text("50000 100000\n")  # the namespace's root, tighter
-    assert _blas.cpu_quota(v2, own) == 0.5
+    assert blaslib.cpu_quota(v2, own) == 0.5
 
 
 AVX512 = frozenset("sse3 avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512cd".split())
@@ -503,13 +506,13 @@ def test_a_build_that_takes_this_cpu_for_a_pre_avx_one_gets_the_kernels_its_flag
             "config": f"OpenBLAS 0.3.21 DYNAMIC_ARCH {core} MAX_THREADS=64",
         }
 
-    monkeypatch.setattr(_blas, "_locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
-    monkeypatch.setattr(_blas, "probe", fake_probe)
-    monkeypatch.setattr(_blas, "cpu_flags", lambda: AVX512)
+    monkeypatch.setattr(blaslib, "locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
+    monkeypatch.setattr(blaslib, "probe", fake_probe)
+    monkeypatch.setattr(blaslib, "cpu_flags", lambda: AVX512)
     env = {"OPENBLAS_NUM_THREADS": "2"} | (
         {"OPENBLAS_CORETYPE": "Prescott"} if coretype_given else {}
     )
-    blas, warning = _blas.choose(env)
+    blas, warning = blaslib.choose(env)
     assert warning is None and blas.name == "system"
     if coretype_given:  # the user's choice stands
         assert (probed, blas.coretype) == ([None], None) and "Prescott" in blas.config
@@ -534,10 +537,10 @@ def test_a_forced_kernel_family_that_fails_its_probe_leaves_the_detected_one(
             return {"ok": False, "reason": "its probe was killed by SIGILL", "config": ""}
         return detected
 
-    monkeypatch.setattr(_blas, "_locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
-    monkeypatch.setattr(_blas, "probe", fake_probe)
-    monkeypatch.setattr(_blas, "cpu_flags", lambda: AVX512)
-    blas, warning = _blas.choose({"OPENBLAS_NUM_THREADS": "2"})
+    monkeypatch.setattr(blaslib, "locate", lambda n: (libs[n], "" if libs[n] else "not installed"))
+    monkeypatch.setattr(blaslib, "probe", fake_probe)
+    monkeypatch.setattr(blaslib, "cpu_flags", lambda: AVX512)
+    blas, warning = blaslib.choose({"OPENBLAS_NUM_THREADS": "2"})
     assert (blas.name, blas.coretype) == ("system", None)
     why = "its probe was killed by SIGILL" if forced == "crashes" else "it keeps its own choice"
     assert warning.startswith(
@@ -549,12 +552,12 @@ def test_a_forced_kernel_family_that_fails_its_probe_leaves_the_detected_one(
 def test_the_kernel_family_is_set_while_the_library_loads_only(monkeypatch):
     seen = []
     monkeypatch.setattr(
-        _blas.ctypes, "CDLL", lambda path, mode: seen.append(os.environ.get("OPENBLAS_CORETYPE"))
+        blaslib.ctypes, "CDLL", lambda path, mode: seen.append(os.environ.get("OPENBLAS_CORETYPE"))
     )
-    monkeypatch.setattr(_blas, "_set_threads", lambda lib, n: None)
+    monkeypatch.setattr(blaslib, "set_threads", lambda lib, n: None)
     monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
-    _blas._load("/x/libopenblas.so", 2, "SkylakeX")
-    _blas._load("/x/libopenblas.so", 2)
+    blaslib.load("/x/libopenblas.so", 2, "SkylakeX")
+    blaslib.load("/x/libopenblas.so", 2)
     assert seen == ["SkylakeX", None] and "OPENBLAS_CORETYPE" not in os.environ
 
 
@@ -562,11 +565,11 @@ def test_the_kernel_family_is_set_while_the_library_loads_only(monkeypatch):
 def test_the_probe_runs_the_kernel_family_it_is_given(tmp_path, monkeypatch):
     """The re-probe reaches the library's own kernel choice: the system OpenBLAS, forced
     to the family this CPU's flags allow, reports that family and passes."""
-    lib, _ = _blas._locate("system")
-    want = _blas.best_coretype(_blas.cpu_flags()) if platform.machine() == "x86_64" else None
+    lib, _ = blaslib.locate("system")
+    want = blaslib.best_coretype(blaslib.cpu_flags()) if platform.machine() == "x86_64" else None
     if lib is None or want is None:
         pytest.skip("needs the system OpenBLAS on an x86-64 CPU with AVX")
-    verdict = _blas.probe(lib, 1, coretype=want)
+    verdict = blaslib.probe(lib, 1, coretype=want)
     if "DYNAMIC_ARCH" not in verdict["config"]:
         pytest.skip("the system OpenBLAS is built for one target")
     assert verdict["ok"], verdict["reason"]
@@ -576,20 +579,20 @@ def test_the_probe_runs_the_kernel_family_it_is_given(tmp_path, monkeypatch):
 @linux_only
 def test_blas_threads_are_shared_out_inside_the_block_and_restored_after(tmp_path):
     """`threads_shared(k)`: each BLAS call on 1/k of the threads inside the block (the
-    update's lanes, `mlx_grpo.lanes`), and all of them again after it, also when the
+    update's lanes, `device.Lanes`), and all of them again after it, also when the
     block raises; read back through OpenBLAS's own getter in a fresh interpreter."""
     snippet = """
 import ctypes, json, mlx_grpo
-from mlx_grpo import _blas
-lib, blas = _blas._state["lib"], _blas._state["blas"]
+from mlx_grpo.cpu import blas as blaslib
+lib, blas = blaslib.state["lib"], blaslib.state["blas"]
 get_blas = getattr(lib, "openblas_get_num_threads", None) or lib.scipy_openblas_get_num_threads
-front = _blas._state["front"]  # the skinny-GEMM front shares out its threads too
+front = blaslib.state["front"]  # the skinny-GEMM front shares out its threads too
 get = lambda: [get_blas(), front.threads() if front else get_blas()]
 seen = [get()]
-with _blas.threads_shared(2):
+with blaslib.threads_shared(2):
     seen.append(get())
 try:
-    with _blas.threads_shared(4):
+    with blaslib.threads_shared(4):
         seen.append(get())
         raise KeyError
 except KeyError:
@@ -614,8 +617,8 @@ print(json.dumps({"threads": blas.threads, "seen": seen}))
 def test_a_cpu_build_widens_mlx_evaluation_order_before_mlx_runs_and_keeps_a_set_value():
     """`import mlx_grpo` sets MLX_BFS_MAX_WIDTH (read once by MLX) on a CPU build, so that
     the update's lanes interleave; a value the user set stays."""
-    from mlx_grpo import EVAL_WIDTH
     from mlx_grpo._backend import installed_builds
+    from mlx_grpo.device import GPU_BUILDS
 
     snippet = "import os, mlx_grpo; print(os.environ.get('MLX_BFS_MAX_WIDTH'))"
     env = {k: v for k, v in os.environ.items() if k != "MLX_BFS_MAX_WIDTH"}
@@ -626,6 +629,6 @@ def test_a_cpu_build_widens_mlx_evaluation_order_before_mlx_runs_and_keeps_a_set
         text=True,
         env={**env, "MLX_BFS_MAX_WIDTH": "64"},
     )
-    cpu_build = installed_builds() == {"cpu"}
+    cpu_build = not installed_builds() & GPU_BUILDS  # (Linux: `device.linux_cpu`)
     assert fresh.stdout.strip() == (str(EVAL_WIDTH) if cpu_build else "None")
     assert kept.stdout.strip() == "64"

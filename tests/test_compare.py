@@ -622,7 +622,7 @@ def test_a_side_evaluated_before_is_kept_until_anything_that_decides_it_changes(
         return real(side, *args, **kw)
 
     monkeypatch.setattr(cmp, "evaluate_side", spy)
-    # Freed memory is kept (procmem) before each side that plays, not for a kept side.
+    # Freed memory is kept (device.prepare_training) before each side that plays, not a kept one.
     kept = []
     monkeypatch.setattr(cmp, "keep_freed_memory", lambda: kept.append(len(played)))
     recipe = tmp_path / "toy"

@@ -347,10 +347,10 @@ def test_greedy_evaluation_is_the_same_with_compiled_decode(tiny):
 
 def _family_model(family: str, **extra):
     """A small random model of one mlx_lm family, with the fast attention and MLP the
-    loader gives (`models.use_fast_*`)."""
+    loader gives on a Linux CPU (`device.adapt_model`)."""
     from mlx_lm.models import llama, qwen2, qwen3
 
-    from mlx_grpo.models import use_fast_attention, use_fast_swiglu
+    from mlx_grpo.cpu.layers import use_fast_attention, use_fast_swiglu
 
     module = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}[family]
     args = dict(

@@ -1,6 +1,6 @@
-"""mlx_grpo.fastmath against float64 NumPy: exp's accuracy, its gradient, the
-log-softmax built on it, the distribution of the inverse-CDF sampler, SwiGLU and the
-blocked attention with its gradient."""
+"""mlx_grpo.fastmath (on a Linux CPU, mlx_grpo.cpu.fastmath's ops) against float64
+NumPy: exp's accuracy, its gradient, the log-softmax built on it, the distribution of
+the inverse-CDF sampler, SwiGLU and the blocked attention with its gradient."""
 
 import math
 import os
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_grpo import fastmath
+from mlx_grpo.cpu import fastmath as cpu_fastmath
 from mlx_grpo.logprobs import _logprobs_of
 
 EPS32 = 2.0**-24  # float32 unit roundoff
@@ -342,13 +343,13 @@ def _attention64(q, k, v, scale, mask, d_out):
     ],
 )
 def test_attention_and_its_gradient_match_float64(monkeypatch, block, n_q, n_k, mask):
-    """fastmath.attention against float64, in one block and in many (batch blocks, and
+    """cpu_fastmath.attention against float64, in one block and in many (batch blocks, and
     blocks of query rows whose causal keys stop at their last row): grouped heads
     (6 queries, 2 keys), a causal mask over the last queries (and over more queries
     than keys), a boolean mask that broadcasts over heads (and leaves a query no key,
     which then averages them all, as MLX's does), an additive one per head; each within
     the rounding budget that the sums over absolute values give (_attention64)."""
-    monkeypatch.setattr(fastmath, "ATTENTION_BLOCK_FLOATS", block)
+    monkeypatch.setattr(cpu_fastmath, "ATTENTION_BLOCK_FLOATS", block)
     rng = np.random.default_rng(n_q * 100 + n_k)
     b, hq, hkv, d = 2, 6, 2, 8
     q = rng.normal(0, 2, (b, hq, n_q, d)).astype(np.float32)
@@ -367,9 +368,9 @@ def test_attention_and_its_gradient_match_float64(monkeypatch, block, n_q, n_k, 
     scale = d**-0.5
 
     def f(q, k, v):
-        return (fastmath.attention(q, k, v, scale, arr(m)) * mx.array(d_out)).sum()
+        return (cpu_fastmath.attention(q, k, v, scale, arr(m)) * mx.array(d_out)).sum()
 
-    out = np.array(fastmath.attention(mx.array(q), mx.array(k), mx.array(v), scale, arr(m)))
+    out = np.array(cpu_fastmath.attention(mx.array(q), mx.array(k), mx.array(v), scale, arr(m)))
     grads = mx.grad(f, argnums=(0, 1, 2))(mx.array(q), mx.array(k), mx.array(v))
     f64 = [x.astype(np.float64) for x in (q, k, v)]
     m64 = m.astype(np.float64) if mask == "additive" else m
@@ -394,25 +395,27 @@ def test_the_native_packed_attention_builds_where_it_can():
     back unseen."""
     import sys
 
-    from mlx_grpo import _blas, native
+    from mlx_grpo.cpu import native
+    from mlx_grpo.cpu.build import compiler
 
-    if not sys.platform.startswith("linux") or _blas.compiler("c++") is None:
+    if not sys.platform.startswith("linux") or compiler("c++") is None:
         pytest.skip("the native op is built on Linux, with a C++ compiler")
     assert native.module() is not None, native.why()
 
 
 def test_python_m_native_says_whether_the_ops_are_in_use():
-    """`python -m mlx_grpo.native` (run by `make install` on Linux) loads the extension
+    """`python -m mlx_grpo.cpu.native` (run by `make install` on Linux) loads the extension
     and says so in one line, exit status 0; turned off, it says why, exit status 1."""
     import subprocess
     import sys
 
-    from mlx_grpo import _blas, native
+    from mlx_grpo.cpu import native
+    from mlx_grpo.cpu.build import compiler
 
-    if not sys.platform.startswith("linux") or _blas.compiler("c++") is None:
+    if not sys.platform.startswith("linux") or compiler("c++") is None:
         pytest.skip("the native op is built on Linux, with a C++ compiler")
     native.module()  # built in this process's cache already, if not before
-    cmd = [sys.executable, "-m", "mlx_grpo.native"]
+    cmd = [sys.executable, "-m", "mlx_grpo.cpu.native"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("native ops: in use ("), done
     assert "building" not in done.stderr  # built once, then taken from the cache
@@ -425,16 +428,16 @@ def test_python_m_native_says_whether_the_ops_are_in_use():
 def test_a_library_build_is_announced_once_on_stderr(tmp_path, monkeypatch, capfd):
     """The first build of a compiled library says so on stderr before the compiler
     runs (the native ops take a while); a second call finds it in the cache, silently."""
-    from mlx_grpo import _blas
+    from mlx_grpo.cpu.build import compile_library, compiler
 
-    if _blas.compiler("c") is None:
+    if compiler("c") is None:
         pytest.skip("needs a C compiler")
     monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path))
     source = "int answer(void) { return 42; }\n"
-    first, why = _blas.compile_library(source, "answer", [], announce="building answer")
+    first, why = compile_library(source, "answer", [], announce="building answer")
     assert first is not None and first.exists(), why
     assert capfd.readouterr().err == "building answer\n"
-    again, _ = _blas.compile_library(source, "answer", [], announce="building answer")
+    again, _ = compile_library(source, "answer", [], announce="building answer")
     assert again == first and capfd.readouterr().err == ""
 
 
@@ -463,7 +466,7 @@ def test_native_packed_attention_and_its_gradient_match_float64(d):
     sees them. Two groups, grouped heads, an empty row, rows that see an earlier row's
     first positions between their prompt and their own, and a prompt of one token; up
     to 11 keys a query (the four-at-a-time loop and its tail)."""
-    from mlx_grpo import native
+    from mlx_grpo.cpu import native
 
     if native.module() is None:
         pytest.skip(f"no native packed attention here: {native.why()}")
@@ -505,7 +508,7 @@ def test_native_packed_attention_and_its_gradient_match_float64(d):
 
 
 def test_native_packed_attention_rejects_a_wrong_dtype_in_one_line():
-    from mlx_grpo import native
+    from mlx_grpo.cpu import native
 
     if native.module() is None:
         pytest.skip(f"no native packed attention here: {native.why()}")
@@ -520,7 +523,7 @@ def test_native_decode_attention_matches_float64(d):
     """A decode step's attention (pre-scaled queries, a cache of columns of which a
     row sees some, given as a bias of 0 or -inf) against dense float64 attention with
     those columns masked (_attention64), within its rounding budget."""
-    from mlx_grpo import native
+    from mlx_grpo.cpu import native
 
     if native.module() is None:
         pytest.skip(f"no native decode attention here: {native.why()}")
@@ -547,7 +550,7 @@ def test_native_swiglu_and_its_gradient_match_float64():
     """silu(g) x and its gradient in one op each, against float64 across exp's range
     (where e^-g overflows the activation is 0, as the true value rounds to), within the
     few roundings of each (exp's 12 ulp, a division, three products)."""
-    from mlx_grpo import native
+    from mlx_grpo.cpu import native
 
     if native.module() is None:
         pytest.skip(f"no native swiglu here: {native.why()}")
@@ -569,14 +572,14 @@ def test_native_swiglu_and_its_gradient_match_float64():
         bound = rel * m + np.finfo(np.float32).tiny
         assert np.all(np.abs(np.array(got, np.float64) - w) <= bound)
     assert mx.array_equal(fastmath.swiglu(*args), native.swiglu(*args)).item()  # its route
-    mine = np.array(fastmath._fast_swiglu(*args), np.float64)  # MLX's ops, the same formula
+    mine = np.array(cpu_fastmath.compiled_swiglu(*args), np.float64)  # MLX's ops, the same formula
     assert np.all(np.abs(out - mine) <= 2 * (20 + np.abs(g64)) * EPS32 * mags[0] + 1e-37)
 
 
 def test_native_packed_attention_refuses_keys_outside_the_batch():
     """A layout whose keys fall outside the batch is an error on evaluation, not a read
     or write past the arrays; the op then runs on a right one."""
-    from mlx_grpo import native
+    from mlx_grpo.cpu import native
 
     if native.module() is None:
         pytest.skip(f"no native packed attention here: {native.why()}")

@@ -11,8 +11,10 @@ import pytest
 from conftest import assert_f32_close, f32_tolerance, tiny_additions
 from mlx.utils import tree_flatten, tree_map
 
-from mlx_grpo import logprobs, native
+from mlx_grpo import logprobs
 from mlx_grpo.config import GRPOConfig, LoRAConfig
+from mlx_grpo.cpu import native
+from mlx_grpo.cpu.layers import use_fast_attention, use_fast_swiglu
 from mlx_grpo.grpo import (
     LossInputs,
     aggregate,
@@ -41,8 +43,6 @@ from mlx_grpo.models import (
     adapters_folded,
     apply_lora,
     trainable_count,
-    use_fast_attention,
-    use_fast_swiglu,
 )
 
 # ---------------------------------------------------------------- advantages
@@ -340,7 +340,7 @@ def _groups(seed=2, prompt_lens=(5, 9), g=3, max_c=6):
 @pytest.fixture(params=["packed-native", "packed", "per-group"])
 def tiny_lp(request, tiny, monkeypatch):
     """The tiny llama through each of `completion_logprobs`' passes: packed, its attention
-    the native op (`mlx_grpo.native`, where it builds on a Linux CPU) or MLX's ops
+    the native op (`mlx_grpo.cpu.native`, where it builds on a Linux CPU) or MLX's ops
     (`fastmath.attention`, everywhere else), or group by group (mlx_lm's)."""
     model, tokenizer = tiny
     took = []  # per call of the native op: whether it computed (not fell back)
@@ -706,11 +706,11 @@ def test_micro_batches_count_a_group_by_the_positions_its_rows_do_not_share(monk
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "turn"])
 def test_lanes_give_the_whole_batch_reference_loss_metrics_and_gradient(tiny_lp, loss_type):
     """The update with a micro-batch's pieces side by side on streams of their own
-    (`mlx_grpo.lanes`: runs of whole groups, or runs of a group's rows) gives the
+    (`device.Lanes`: runs of whole groups, or runs of a group's rows) gives the
     one-lane update's reference log-probs, loss, metrics and gradient; each piece's graph
     is built on its own stream."""
+    from mlx_grpo.device import Lanes
     from mlx_grpo.dist import Dist
-    from mlx_grpo.lanes import Lanes
     from mlx_grpo.update import policy_gradient, reference_pass
 
     model, _ = tiny_lp
@@ -771,8 +771,9 @@ def test_two_lanes_by_default_only_on_a_cpu_with_two_blas_threads_and_a_wide_eva
     the other, each on half the BLAS threads."""
     from types import SimpleNamespace
 
-    from mlx_grpo import EVAL_WIDTH, _blas
-    from mlx_grpo.lanes import auto_lanes, update_lanes
+    from mlx_grpo.cpu import blas as blaslib
+    from mlx_grpo.cpu.lanes import EVAL_WIDTH, auto_lanes
+    from mlx_grpo.device import update_lanes
 
     prev = mx.default_device()
     mx.set_default_device(mx.cpu)
@@ -788,7 +789,7 @@ def test_two_lanes_by_default_only_on_a_cpu_with_two_blas_threads_and_a_wide_eva
         ]
         for threads, width, want in cases:
             blas = None if threads is None else SimpleNamespace(threads=threads)
-            monkeypatch.setitem(_blas._state, "blas", blas)
+            monkeypatch.setitem(blaslib.state, "blas", blas)
             if width is None:
                 monkeypatch.delenv("MLX_BFS_MAX_WIDTH", raising=False)
             else:

@@ -11,7 +11,7 @@ import pytest
 # one 4 KB page on every machine.
 ROUNDS = """
 import ctypes, json, resource, sys
-from mlx_grpo.procmem import keep_freed_memory
+from mlx_grpo.cpu.allocator import keep_freed_memory
 libc = ctypes.CDLL(None)
 assert libc.prctl(41, 1, 0, 0, 0) == 0
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None

@@ -16,14 +16,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_grpo import _blas, _skinny
+from mlx_grpo.cpu import blas as blaslib
+from mlx_grpo.cpu import skinny
 
-FRONT = _blas._state["front"]
-CPU_HAS_KERNEL = platform.machine() == "x86_64" and {"avx2", "fma"} <= _blas.cpu_flags()
+FRONT = blaslib.state["front"]
+CPU_HAS_KERNEL = platform.machine() == "x86_64" and {"avx2", "fma"} <= blaslib.cpu_flags()
 CAN_BUILD = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 needs_front = pytest.mark.skipif(
     FRONT is None,
-    reason=f"no skinny-GEMM front in this process: {_blas._state['front_why'] or 'no BLAS'}",
+    reason=f"no skinny-GEMM front in this process: {blaslib.state['front_why'] or 'no BLAS'}",
 )
 U = 2.0**-24  # float32 unit roundoff
 
@@ -31,12 +32,12 @@ U = 2.0**-24  # float32 unit roundoff
 def test_the_front_is_in_use_wherever_it_can_be():
     """On Linux x86-64 with AVX2 and a C compiler, under an OpenBLAS, it must be loaded:
     the other tests would otherwise skip without saying that the speed-up is gone."""
-    if not (sys.platform == "linux" and CPU_HAS_KERNEL and CAN_BUILD and _blas._state["lib"]):
+    if not (sys.platform == "linux" and CPU_HAS_KERNEL and CAN_BUILD and blaslib.state["lib"]):
         pytest.skip("no kernel, compiler or OpenBLAS here")
     if os.environ.get("MLX_GRPO_SKINNY", "").strip().lower() in ("0", "off", "no", "false"):
         pytest.skip("turned off by MLX_GRPO_SKINNY")
-    assert FRONT is not None, _blas._state["front_why"]
-    assert "skinny-GEMM front" in _blas.blas_in_use()
+    assert FRONT is not None, blaslib.state["front_why"]
+    assert "skinny-GEMM front" in blaslib.blas_in_use()
 
 
 def within_rounding(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -86,7 +87,7 @@ def test_small_products_run_on_the_calling_thread_within_float32_rounding(m, k, 
     """Decode's attention products ([rows, 64] x [64, keys] and [rows, keys] x [keys, 64]
     per batch row and key head), with W stored [n, k] (x W^T) or [k, n] (x W): computed
     by the front, tails of rows and columns included."""
-    assert m * k * n <= _skinny.MAX_DIRECT
+    assert m * k * n <= skinny.MAX_DIRECT
     rng = np.random.default_rng(m * 100 + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -124,7 +125,7 @@ def test_every_other_call_reaches_the_blas():
         assert FRONT.counts() == (fast, fwd + 1), name
         assert within_rounding(got, x, w).all(), name
     x, small = rng.standard_normal((32, 64)).astype(np.float32), w[:, :64]  # N K < 65536
-    assert 32 * small.size > _skinny.MAX_DIRECT
+    assert 32 * small.size > skinny.MAX_DIRECT
     fast, fwd = FRONT.counts()
     got = np.array(mx.array(x) @ mx.array(small).T)
     assert FRONT.counts() == (fast, fwd + 1) and within_rounding(got, x, small).all()
@@ -172,8 +173,8 @@ def run_child(tmp_path, code: str, **env: str) -> dict:
 
 CHILD = """
 import ctypes, json, os, time, mlx_grpo, mlx.core as mx, numpy as np
-from mlx_grpo import _blas
-front = _blas._state["front"]
+from mlx_grpo.cpu import blas as blaslib
+front = blaslib.state["front"]
 r = np.random.default_rng(3)
 x, w = r.standard_normal((16, 197)).astype(np.float32), r.standard_normal((1029, 197)).astype(np.float32)
 got = np.array(mx.array(x) @ mx.array(w).T)
@@ -204,7 +205,7 @@ if front is not None:
         forked_ok = False
 print(json.dumps({"front": front.describe() if front else None, "counts": front.counts() if front else None,
                   "ok": ok, "invariant": bool(np.array_equal(got, alone)), "forked_ok": forked_ok,
-                  "said": _blas.blas_in_use()}))
+                  "said": blaslib.blas_in_use()}))
 """
 
 
@@ -226,19 +227,19 @@ def test_turned_off_mlx_calls_the_blas_itself(tmp_path):
 def test_a_front_with_wrong_numbers_is_not_used(tmp_path, monkeypatch):
     """The child-process check is what stands between a broken kernel and training: a
     front that sums one product too few is rejected with the reason, and not loaded."""
-    if _blas._state["lib"] is None or not CPU_HAS_KERNEL:
+    if blaslib.state["lib"] is None or not CPU_HAS_KERNEL:
         pytest.skip("no OpenBLAS or no kernel for this CPU")
     monkeypatch.setenv("MLX_GRPO_CACHE", str(tmp_path / "cache"))
     broken = tmp_path / "skinny.c"
-    source = _skinny.SOURCE.read_text()
+    source = skinny.SOURCE.read_text()
     for width in (16, 8):  # each kernel skips its first vector of products
         loop = f"for (; k + {width} <= p->k; k += {width})"
         assert source.count(loop) == 1
         source = source.replace(loop, loop.replace("(;", f"(k = {width};"))
     broken.write_text(source)
-    monkeypatch.setattr(_skinny, "SOURCE", broken)
-    blas = _blas._state["blas"]
-    front, why, _ = _skinny.prepare(blas.path, 2)
+    monkeypatch.setattr(skinny, "SOURCE", broken)
+    blas = blaslib.state["blas"]
+    front, why, _ = skinny.prepare(blas.path, 2)
     assert front is None and why.startswith("wrong results: "), why
 
 
@@ -247,6 +248,6 @@ def test_without_a_compiler_there_is_no_front_and_the_reason_says_so(tmp_path, m
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     if platform.machine() != "x86_64":
-        assert _skinny.prepare("/nonexistent", 2)[0] is None
+        assert skinny.prepare("/nonexistent", 2)[0] is None
         return
-    assert _skinny.prepare("/nonexistent", 2)[:2] == (None, "needs a C compiler (cc) to be built")
+    assert skinny.prepare("/nonexistent", 2)[:2] == (None, "needs a C compiler (cc) to be built")

@@ -294,9 +294,9 @@ def op_split(s: Shapes, prompt_lens, comp_lens, group, sampler, reps: int = 3) -
 
 def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> dict:
     """Each phase of one step alone on `rollout` (seconds), and its op-class estimate."""
+    from mlx_grpo.device import update_lanes
     from mlx_grpo.dist import Dist
     from mlx_grpo.grpo import group_advantages, grpo_loss
-    from mlx_grpo.lanes import update_lanes
     from mlx_grpo.rollout import make_rollout_sampler, prefill_prompts
     from mlx_grpo.update import apply_update, build_loss_inputs, policy_gradient, reference_pass
 

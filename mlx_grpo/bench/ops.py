@@ -10,7 +10,7 @@ the elementwise column of `make bench`'s profile is made of on this machine. The
 layer's causal attention over `--context` tokens (the embedded model's 9 query and 3
 key heads of 64), forward and with its gradient: MLX's
 `mx.fast.scaled_dot_product_attention` and `fastmath.attention`. Last, the linear layers of
-a decode step at `--skinny-rows` rows through the skinny-GEMM front (`mlx_grpo._skinny`)
+a decode step at `--skinny-rows` rows through the skinny-GEMM front (`mlx_grpo.cpu.skinny`)
 and through the BLAS alone, where the front is in use.
 """
 
@@ -21,8 +21,9 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo import _blas, fastmath
+from mlx_grpo import fastmath
 from mlx_grpo.bench.floor import _best
+from mlx_grpo.device import blas_in_use, linux_cpu
 
 
 def op_times(rows: int, vocab: int, reps: int) -> dict[str, float]:
@@ -74,7 +75,11 @@ def skinny_times(rows: list[int], reps: int, layers: int = 30) -> dict[int, tupl
     head, each weight its own array, so read from memory as in decode) at each row count,
     through the skinny-GEMM front and with every call sent to the BLAS; {} without a
     front."""
-    front = _blas._state["front"]
+    if not linux_cpu():
+        return {}
+    from mlx_grpo.cpu.blas import state
+
+    front = state["front"]
     if front is None:
         return {}
     weights = [mx.random.normal(shape) * 0.02 for _ in range(layers) for shape in LAYER]
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     if rows and (times := skinny_times(rows, 5)):
         print(
             f"a decode step's linear layers (embedded model, 211 products), best of 5: "
-            f"{_blas.blas_in_use()}"
+            f"{blas_in_use()}"
         )
         print(f"{'rows':>6}{'front ms':>10}{'BLAS ms':>10}{'x BLAS':>8}")
         for m, (front, blas) in times.items():

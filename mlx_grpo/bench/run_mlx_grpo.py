@@ -118,8 +118,7 @@ def main(argv=None) -> None:
     import mlx.core as mx
 
     import mlx_grpo
-    from mlx_grpo import native
-    from mlx_grpo._blas import blas_in_use
+    from mlx_grpo.device import blas_in_use, native_in_use
     from mlx_grpo.models import apply_lora, load_model, trainable_count
     from mlx_grpo.recipe import Recipe
     from mlx_grpo.trainer import build_optimizer, train
@@ -180,7 +179,7 @@ def main(argv=None) -> None:
         )
         extra = {
             "trainable_params": trainable_count(model),
-            "blas": blas_in_use() + (" + native attention and SwiGLU" if native.loaded() else ""),
+            "blas": blas_in_use() + (" + native attention and SwiGLU" if native_in_use() else ""),
             "device": str(mx.default_device()),
             "group": args.group,
             "max_new_tokens": args.max_new_tokens,

@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     from mlx_lm_lora.trainer import grpo_trainer
     from mlx_lm_lora.utils import from_pretrained
 
-    from mlx_grpo._blas import blas_in_use
+    from mlx_grpo.device import blas_in_use
 
     mx.random.seed(0)
     model, tokenizer, _ = from_pretrained(

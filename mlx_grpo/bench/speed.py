@@ -132,14 +132,14 @@ def ensure_base_export() -> Path:
 
 
 def _env(front: bool = True) -> dict:
-    from mlx_grpo._blas import _state
+    from mlx_grpo.device import blas_library
 
     env = dict(os.environ)
     if not front:
         env["MLX_GRPO_SKINNY"] = "0"  # the BLAS alone, as MLX would call it
     # Every MLX system runs on the BLAS this process chose (peers' venvs hold other wheels)
-    if (blas := _state["blas"]) is not None:
-        env["MLX_GRPO_OPENBLAS"] = blas.path or "builtin"
+    if (blas := blas_library()) is not None:
+        env["MLX_GRPO_OPENBLAS"] = blas
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
@@ -244,9 +244,9 @@ def floor_report(res: dict) -> dict:
 def machine() -> str:
     cpu, kind = platform.processor() or platform.machine(), ""
     if LINUX:
-        from mlx_grpo._blas import _cpu_signature
+        from mlx_grpo.device import cpu_signature
 
-        signature = _cpu_signature()
+        signature = cpu_signature()
         names = [line for line in signature.splitlines() if line.startswith("model name")]
         cpu = names[0].split(":", 1)[1].strip() if names else cpu
         kind = cpu_kind(signature)

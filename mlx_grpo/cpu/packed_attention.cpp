@@ -1,4 +1,4 @@
-// Packed attention as one MLX primitive on the CPU (mlx_grpo/native.py).
+// Packed attention as one MLX primitive on the CPU (mlx_grpo/cpu/native.py).
 //
 // The update's packed pass (logprobs._Packed) holds every position of a micro-batch once,
 // as rows of [N, heads, head_dim]: each group's prompt, then each completion's inputs

@@ -44,24 +44,30 @@ many times over.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.util
 import json
 import math
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_grpo._paths import cache_root
+from mlx_grpo.cpu import skinny
+from mlx_grpo.cpu.build import (
+    cached_verdict,
+    compile_library,
+    cpu_signature,
+    last_line,
+    mlx_version,
+    save_verdict,
+    verdict_file,
+)
 
 # The BLAS and LAPACK symbols that libmlx.so (mlx 0.32) imports; the probe runs each one
 # through MLX and the scipy-openblas32 shim forwards each one.
@@ -200,7 +206,7 @@ class Blas:
 
 # The choice, the library loaded for it, and the skinny-GEMM front in front of it (or
 # why there is none).
-_state: dict = {"blas": None, "lib": None, "front": None, "front_why": ""}
+state: dict = {"blas": None, "lib": None, "front": None, "front_why": ""}
 
 
 # ---------------------------------------------------------------------------- threads
@@ -370,54 +376,7 @@ def _build_shim(lib: Path) -> tuple[Path | None, str]:
     return out, why and f"its shim {why}"
 
 
-# The compilers tried for each language, first the one its variable names.
-COMPILERS = {"c": ("CC", "cc", "gcc", "clang"), "c++": ("CXX", "c++", "g++", "clang++")}
-
-
-def compiler(language: str = "c") -> str | None:
-    """The system compiler for "c" or "c++", or None."""
-    var, *names = COMPILERS[language]
-    return next((c for c in (os.environ.get(var), *names) if c and shutil.which(c)), None)
-
-
-def compile_library(
-    source: str,
-    name: str,
-    args: list[str],
-    key: str = "",
-    language: str = "c",
-    folder: str = "blas",
-    timeout: float = 120,
-    announce: str = "",
-) -> tuple[Path | None, str]:
-    """`source` (in `language`, "c" or "c++") compiled with the system compiler into a
-    shared library in the cache's `folder`, once per source, arguments and `key`; or
-    None and why not. `announce`, if given, goes to stderr as the compiler starts."""
-    digest = hashlib.sha256(f"{source}{args}{key}".encode()).hexdigest()[:16]
-    out = cache_root() / folder / f"{name}-{digest}.so"
-    if out.exists():
-        return out, ""
-    cc = compiler(language)
-    if cc is None:
-        return None, f"needs a {language.upper()} compiler ({COMPILERS[language][1]}) to be built"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / f"{name}.{'cpp' if language == 'c++' else 'c'}"
-            src.write_text(source)
-            if announce:
-                print(announce, file=sys.stderr, flush=True)
-            cmd = [cc, "-shared", "-fPIC", "-o", f"{tmp}/{name}.so", str(src), *args]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            if done.returncode != 0:
-                return None, f"did not compile: {_last_line(done.stderr)}"
-            os.replace(f"{tmp}/{name}.so", out)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"could not be built: {e}"
-    return out, ""
-
-
-def _locate(name: str) -> tuple[Path | None, str]:
+def locate(name: str) -> tuple[Path | None, str]:
     """The library file of a named candidate, or None and why not."""
     if name == "system":
         found = next((p for p in _system_paths() if p.exists()), None)
@@ -443,7 +402,7 @@ PRE_AVX_CORES = frozenset(
 
 def cpu_flags() -> frozenset[str]:
     """The first processor's feature flags (/proc/cpuinfo)."""
-    for line in _cpu_signature().splitlines():
+    for line in cpu_signature().splitlines():
         if line.split(":")[0].strip().lower() in ("flags", "features"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
@@ -486,52 +445,6 @@ def misdetected(config: str, flags: frozenset[str], machine: str | None = None) 
 # ----------------------------------------------------------------------------- probe
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:200] if lines else ""
-
-
-def _cpu_signature() -> str:
-    """The first processor's identity and feature flags from /proc/cpuinfo."""
-    keep = ("vendor_id", "cpu family", "model", "model name", "flags", "features",
-            "cpu implementer", "cpu architecture", "cpu variant", "cpu part")  # fmt: skip
-    try:
-        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return platform.machine()
-    fields = [line for line in block.splitlines() if line.split(":")[0].strip().lower() in keep]
-    return platform.machine() + "\n" + "\n".join(fields)
-
-
-def _mlx_version() -> str:
-    """MLX's version and its core library's identity (mlx-cpu and mlx-cuda-13 share a
-    version; a build swapped in place is another library)."""
-    import importlib.util
-    from importlib import metadata
-
-    version = "?"
-    for dist in ("mlx", "mlx-cpu"):
-        try:
-            version = metadata.version(dist)
-            break
-        except metadata.PackageNotFoundError:
-            continue
-    try:
-        spec = importlib.util.find_spec("mlx")
-        roots = list(spec.submodule_search_locations or []) if spec else []
-    except (ImportError, ValueError):
-        roots = []
-    libs = sorted(f for root in roots for f in Path(root).glob("lib/libmlx*"))
-    ids = []
-    for f in libs:
-        try:
-            st = f.stat()
-            ids.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-        except OSError:
-            continue
-    return " ".join([version, *ids])
-
-
 def probe(lib: Path, threads: int, use_cache: bool = True, coretype: str | None = None) -> dict:
     """Whether `lib` runs every BLAS/LAPACK routine MLX calls correctly on this CPU, found
     in a child process (a crash there is a verdict, not a crash here), with
@@ -543,23 +456,19 @@ def probe(lib: Path, threads: int, use_cache: bool = True, coretype: str | None 
         st = real.stat()
     except OSError as e:
         return {"ok": False, "reason": f"cannot read it ({e.strerror})", "config": ""}
-    key = hashlib.sha256(
-        json.dumps(
-            [
-                PROBE,
-                MLX_BLAS_SYMBOLS,
-                str(real),
-                st.st_size,
-                st.st_mtime_ns,
-                _cpu_signature(),
-                _mlx_version(),
-                threads,
-                sys.executable,
-                coretype or os.environ.get("OPENBLAS_CORETYPE"),
-            ]
-        ).encode()
-    ).hexdigest()[:24]
-    cached = cache_root() / "blas" / f"verdict-{key}.json"
+    ident = [
+        PROBE,
+        MLX_BLAS_SYMBOLS,
+        str(real),
+        st.st_size,
+        st.st_mtime_ns,
+        cpu_signature(),
+        mlx_version(),
+        threads,
+        sys.executable,
+        coretype or os.environ.get("OPENBLAS_CORETYPE"),
+    ]
+    cached = verdict_file("blas", "verdict", ident)
     if use_cache:
         verdict = cached_verdict(cached)
         # A wrong type here would fail the choice itself on every run: a miss.
@@ -569,34 +478,13 @@ def probe(lib: Path, threads: int, use_cache: bool = True, coretype: str | None 
             and isinstance(verdict.get("config"), str)
         ):
             return {k: verdict[k] for k in ("ok", "reason", "config")}
-    verdict = _run_probe(lib, threads, coretype)
+    verdict = run_probe(lib, threads, coretype)
     if use_cache and not verdict.pop("transient", False):
         save_verdict(cached, verdict)
     return verdict
 
 
-def cached_verdict(path: Path) -> dict | None:
-    """A probe's verdict saved at `path` ({"ok": bool, ...}), or None where there is none
-    or it is not one (a torn write, an edit, another version's format): a miss."""
-    try:
-        verdict = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return verdict if isinstance(verdict, dict) and isinstance(verdict.get("ok"), bool) else None
-
-
-def save_verdict(path: Path, verdict: dict) -> None:
-    """Save a probe's verdict at `path`, whole or not at all (a write then a rename)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(verdict))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs a probe per process
-
-
-def _run_probe(lib: Path, threads: int, coretype: str | None = None) -> dict:
+def run_probe(lib: Path, threads: int, coretype: str | None = None) -> dict:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
     if coretype is not None:
         env["OPENBLAS_CORETYPE"] = coretype
@@ -625,7 +513,7 @@ def _run_probe(lib: Path, threads: int, coretype: str | None = None) -> dict:
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         # No verdict: the probe's Python failed around the library (mlx or numpy not
         # importable mid-upgrade, no memory), which says nothing lasting about it.
-        why = _last_line(done.stderr) or f"exit status {done.returncode}"
+        why = last_line(done.stderr) or f"exit status {done.returncode}"
         return {"ok": False, "reason": f"its probe failed: {why}", "config": "", "transient": True}
     if missing and prefixed:  # libscipy_openblas.so itself, say
         why = (
@@ -650,7 +538,7 @@ def max_threads(config: str) -> int | None:
 # ---------------------------------------------------------------------------- choice
 
 
-def _set_threads(handle: ctypes.CDLL, threads: int) -> None:
+def set_threads(handle: ctypes.CDLL, threads: int) -> None:
     for prefix in ("", "scipy_"):
         if hasattr(handle, prefix + "openblas_set_num_threads"):
             getattr(handle, prefix + "openblas_set_num_threads")(threads)
@@ -696,7 +584,7 @@ def _first_that_works(
     capped: Blas | None = None
     tries = (["custom"] if forced and forced not in NAMES else []) + order
     for name in tries:
-        lib, why = (Path(forced), "") if name == "custom" else _locate(name)
+        lib, why = (Path(forced), "") if name == "custom" else locate(name)
         label = f"MLX_GRPO_OPENBLAS={forced}" if name == "custom" else name
         if lib is None:  # a candidate asked for by name counts as a problem
             quiet = why == "not installed" and name != forced
@@ -741,7 +629,7 @@ def _first_that_works(
     return blas, None
 
 
-def _load(path: str, threads: int, coretype: str | None = None) -> ctypes.CDLL:
+def load(path: str, threads: int, coretype: str | None = None) -> ctypes.CDLL:
     """Load the library globally with `threads` threads (and OPENBLAS_CORETYPE=`coretype`
     when given). The environment holds them only while it loads, so that its constructor
     starts the threads the probe ran with, not one per core (too many under a pids
@@ -759,7 +647,7 @@ def _load(path: str, threads: int, coretype: str | None = None) -> ctypes.CDLL:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    _set_threads(lib, threads)
+    set_threads(lib, threads)
     return lib
 
 
@@ -768,17 +656,17 @@ def use_fast_blas() -> Blas | None:
     globally. Returns the choice, or None where there is nothing to choose (another
     OS, or mlx not installed). Where mlx was imported first, it is too late: MLX keeps
     its own BLAS, and on a CPU one warning line says so."""
-    if _state["blas"] is not None or sys.platform != "linux":
-        return _state["blas"]
+    if state["blas"] is not None or sys.platform != "linux":
+        return state["blas"]
     if "mlx.core" in sys.modules:
-        _state["blas"] = Blas("builtin", None)
+        state["blas"] = Blas("builtin", None)
         if sys.modules["mlx.core"].default_device() == sys.modules["mlx.core"].cpu:
             print(
                 "mlx-grpo: warning: mlx was imported before mlx_grpo, so MLX keeps its own "
                 "reference BLAS (matmuls tens of times slower on a CPU); import mlx_grpo first",
                 file=sys.stderr,
             )
-        return _state["blas"]
+        return state["blas"]
     if importlib.util.find_spec("mlx") is None:  # e.g. the bench's PyTorch peer
         return None
     try:
@@ -786,17 +674,15 @@ def use_fast_blas() -> Blas | None:
     except Exception as e:  # noqa: BLE001  (a fast BLAS is never worth failing the import)
         blas, warning = Blas("builtin", None), f"choosing a BLAS failed ({e!r}); using MLX's own"
     if blas.path is not None:
-        from mlx_grpo import _skinny
-
-        front, _state["front_why"], isa = _skinny.prepare(blas.path, blas.threads or 1)
+        front, state["front_why"], isa = skinny.prepare(blas.path, blas.threads or 1)
         try:
-            # Before the BLAS: MLX's cblas_sgemm is then the front's (mlx_grpo._skinny).
-            front_lib = _skinny.load(front) if front is not None else None
+            # Before the BLAS: MLX's cblas_sgemm is then the front's (mlx_grpo.cpu.skinny).
+            front_lib = skinny.load(front) if front is not None else None
             # Set through the library, not the environment: processes this one starts
             # (an `mlx.launch` job, say) choose their own share.
-            _state["lib"] = _load(blas.path, blas.threads or 1, blas.coretype)
+            state["lib"] = load(blas.path, blas.threads or 1, blas.coretype)
             if front_lib is not None:
-                _state["front"] = _skinny.start(front_lib, _state["lib"], blas.threads or 1, isa)
+                state["front"] = skinny.start(front_lib, state["lib"], blas.threads or 1, isa)
         except OSError as e:  # removed between the probe and now
             warning, blas = (
                 f"{blas.path} could not be loaded ({e}); using MLX's built-in BLAS",
@@ -804,7 +690,7 @@ def use_fast_blas() -> Blas | None:
             )
     for line in (warning or "").splitlines():
         print(f"mlx-grpo: warning: {line}", file=sys.stderr)
-    _state["blas"] = blas
+    state["blas"] = blas
     return blas
 
 
@@ -812,26 +698,26 @@ def use_fast_blas() -> Blas | None:
 def threads_shared(ways: int):
     """Inside this block, each BLAS call runs on 1/`ways` of the threads (at least one),
     so that `ways` calls made at once, from MLX streams side by side, share the cores
-    (`mlx_grpo.lanes`). Nothing changes where MLX keeps its own BLAS."""
-    lib, blas = _state["lib"], _state["blas"]
+    (`mlx_grpo.device.Lanes`). Nothing changes where MLX keeps its own BLAS."""
+    lib, blas = state["lib"], state["blas"]
     if lib is None or ways < 2 or not blas.threads:
         yield
         return
     share = max(1, blas.threads // ways)
-    _set_threads(lib, share)
-    if (front := _state["front"]) is not None:
+    set_threads(lib, share)
+    if (front := state["front"]) is not None:
         front.set_threads(share)
     try:
         yield
     finally:
-        _set_threads(lib, blas.threads)
+        set_threads(lib, blas.threads)
         if front is not None:
             front.set_threads(blas.threads)
 
 
 def blas_in_use() -> str:
     """What MLX computes its matmuls with in this process, for the first line of a run."""
-    if (blas := _state["blas"]) is not None:
-        front = _state["front"]
+    if (blas := state["blas"]) is not None:
+        front = state["front"]
         return blas.describe() + (f" + {front.describe()}" if front is not None else "")
     return "MLX built-in BLAS" if sys.platform == "linux" else "Accelerate"

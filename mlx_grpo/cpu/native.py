@@ -19,7 +19,6 @@ MLX_GRPO_NATIVE=0 turns it off.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -32,7 +31,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_grpo._paths import cache_root
+from mlx_grpo.cpu.build import (
+    cached_verdict,
+    compile_library,
+    cpu_signature,
+    mlx_version,
+    save_verdict,
+    verdict_file,
+)
 
 SOURCE = Path(__file__).with_name("packed_attention.cpp")
 MODULE = "_packed_attention"
@@ -159,13 +165,11 @@ def _flags() -> list[str]:
 
 def build() -> tuple[Path | None, str]:
     """The compiled extension (built once into the cache), or None and why not."""
-    from mlx_grpo._blas import _cpu_signature, _mlx_version, compile_library
-
     try:
         import nanobind
     except ImportError:
         return None, "needs nanobind (pip install nanobind)"
-    key = json.dumps([_mlx_version(), nanobind.__version__, _cpu_signature()])
+    key = json.dumps([mlx_version(), nanobind.__version__, cpu_signature()])
     return compile_library(
         SOURCE.read_text(), MODULE, _flags(), key, "c++", "native", BUILD_TIMEOUT_S,
         announce="mlx-grpo: building the native attention and SwiGLU ops for this CPU "
@@ -176,12 +180,9 @@ def build() -> tuple[Path | None, str]:
 def probe(lib: Path) -> dict:
     """Whether the extension loads into this MLX and computes packed attention and its
     gradient right, found in a child process and cached: {"ok", "reason"}."""
-    from mlx_grpo._blas import _cpu_signature, _mlx_version, cached_verdict, save_verdict
-
     stat = lib.stat()
-    ident = [str(lib), stat.st_size, stat.st_mtime_ns, PROBE, _cpu_signature(), _mlx_version()]
-    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
-    cached = cache_root() / "native" / f"verdict-{key}.json"
+    ident = [str(lib), stat.st_size, stat.st_mtime_ns, PROBE, cpu_signature(), mlx_version()]
+    cached = verdict_file("native", "verdict", ident)
     if (verdict := cached_verdict(cached)) is not None:
         return verdict
     try:
@@ -288,7 +289,7 @@ def swiglu(gate: mx.array, x: mx.array):
 
 
 def main() -> int:
-    """`python -m mlx_grpo.native`: build, probe and load the extension now (as `make
+    """`python -m mlx_grpo.cpu.native`: build, probe and load the extension now (as `make
     install` does on Linux, so that a first run does not wait for the compiler) and say
     in one line whether it is in use; exit status 1 where it is not."""
     if mx.default_device() != mx.cpu:

@@ -26,7 +26,6 @@ CPU (for tests).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import platform
@@ -35,7 +34,14 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from mlx_grpo._paths import cache_root
+from mlx_grpo.cpu.build import (
+    cached_verdict,
+    compile_library,
+    cpu_signature,
+    mlx_version,
+    save_verdict,
+    verdict_file,
+)
 
 SOURCE = Path(__file__).with_name("skinny.c")
 # The most rows a product may have to be computed here, by the kernel's vector width:
@@ -98,8 +104,6 @@ def wanted() -> str | None:
 
 def build() -> tuple[Path | None, str]:
     """The compiled front (built once into the cache), or None and why not."""
-    from mlx_grpo._blas import compile_library
-
     if platform.machine() != "x86_64":
         return None, f"no kernel for {platform.machine()}"
     return compile_library(SOURCE.read_text(), "skinny", ["-O3", "-pthread", "-ldl"])
@@ -114,15 +118,9 @@ def _probe_limits() -> str:
 def probe(front: Path, blas: str, threads: int, isa: str) -> dict:
     """Whether the front computes skinny products right through MLX in front of `blas`
     on this CPU, found in a child process and cached: {"ok", "reason", "width"}."""
-    from mlx_grpo._blas import _cpu_signature, _mlx_version, cached_verdict, save_verdict
-
     ids = [str(p) + f":{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (front, Path(blas))]
-    key = hashlib.sha256(
-        json.dumps(
-            [PROBE, _probe_limits(), ids, _cpu_signature(), _mlx_version(), threads, isa]
-        ).encode()
-    ).hexdigest()[:24]
-    cached = cache_root() / "blas" / f"skinny-verdict-{key}.json"
+    ident = [PROBE, _probe_limits(), ids, cpu_signature(), mlx_version(), threads, isa]
+    cached = verdict_file("blas", "skinny-verdict", ident)
     if (verdict := cached_verdict(cached)) is not None:
         return verdict
     try:
