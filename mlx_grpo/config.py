@@ -34,14 +34,13 @@ class ModelConfig(_Section):
     )
     dequantize: Literal["auto", "yes", "no"] = Field(
         "auto",
-        description="Quantized matmuls are ~10x slower than float32 on MLX's CPU backend "
-        "and the fast path on GPUs: 'auto' dequantizes on CPU only.",
+        description="Dequantize a quantized model at load: 'auto' on CPU only (quantized matmuls "
+        "are slow there), 'yes', 'no'.",
     )
     init_adapter: str | None = Field(
         None,
-        description="Start from this LoRA adapter folder (adapters.safetensors + "
-        "adapter_config.json, as mlx_lm.lora writes them, e.g. a supervised warm start); "
-        "its rank, scale, layers and keys replace the lora section.",
+        description="Start from this LoRA adapter folder (as mlx_lm.lora writes it); its rank, "
+        "scale, layers and keys replace the lora section.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -88,11 +87,8 @@ class RolloutConfig(_Section):
     max_in_flight: int = Field(
         32,
         ge=1,
-        description="Most episodes (multi-turn) or completions played at once: a step's "
-        "groups beyond it are played one batch after another, whole groups at a time. "
-        "Every episode keeps its own KV cache, so memory grows with this, not with the "
-        "step's group count (web_browsing: 6.5-12.0 GB peak a step at 32 episodes; 96 at once "
-        "ran a 24 GB machine out of memory).",
+        description="Most episodes (multi-turn) or completions played at once; a step's further "
+        "groups play in later batches of whole groups.",
     )
     stop_at_newline: bool = Field(
         False,
@@ -101,10 +97,8 @@ class RolloutConfig(_Section):
     )
     end_on_ill_formed: bool = Field(
         False,
-        description="Multi-turn training rollouts: an episode ends at a reply that its "
-        "environment marks ill-formed (info['format'] false), so a failure that rambles "
-        "is one reply long instead of running to max_turns. Held-out evaluation and "
-        "compare play every episode to its end.",
+        description="Multi-turn training rollouts: end an episode at a reply its environment "
+        "marks ill-formed (info['format'] false).",
     )
     temperature: float = Field(0.8, gt=0, description="Sampling temperature (> 0 for RL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
@@ -117,9 +111,8 @@ class RolloutConfig(_Section):
     )
     compile_decode: bool = Field(
         True,
-        description="Decode with one compiled graph per token (mlx_grpo.decode: a "
-        "fixed-capacity KV cache, the model call and the keyed draw fused), instead of "
-        "mlx_lm's op-by-op batch generator (false); the same tokens for the same keys.",
+        description="Decode with one compiled graph per token (mlx_grpo/decode.py); false: "
+        "mlx_lm's op-by-op batch generator. The same tokens either way.",
     )
 
 
@@ -138,19 +131,14 @@ class GRPOConfig(_Section):
     entropy_coef: float = Field(
         0.0,
         ge=0,
-        description="Weight of an entropy bonus: the loss subtracts entropy_coef x the "
-        "policy's mean token entropy (the logged `entropy`). 0: no bonus. With "
-        "entropy_target set this is the starting weight, then the controller moves it.",
+        description="Weight of an entropy bonus (the loss subtracts it x the mean token entropy); "
+        "0: none. With entropy_target set, the starting weight.",
     )
     entropy_target: float | None = Field(
         None,
         gt=0,
-        description="Entropy (nats per token) that an adaptive bonus holds the policy at: "
-        "after each update the weight moves by entropy_coef_rate x (target - entropy), "
-        "within [0, entropy_coef_max] (logged as entropy/coef). A policy that grows sure "
-        "of itself samples groups of identical completions, which carry no signal; the "
-        "weight rises while entropy is below the target and falls to 0 above it, so it "
-        "never pays for the drift that a fixed bonus can start. None: a fixed weight.",
+        description="Entropy (nats per token) that an adaptive bonus holds the policy at by "
+        "moving entropy_coef each step; None: a fixed weight.",
     )
     entropy_coef_rate: float = Field(
         0.01, gt=0, description="Change of the adaptive entropy weight per nat of error per step."
@@ -160,21 +148,14 @@ class GRPOConfig(_Section):
     )
     reference: Literal["base", "start"] = Field(
         "base",
-        description="The policy the KL term holds the model near. base: the model with "
-        "its adapters off. start: the adapters the GRPO steps start from, those after "
-        "the warm start (train.sft_steps) or model.init_adapter, as DeepSeek-R1 takes "
-        "its supervised checkpoint as the reference; they are kept in the run folder "
-        "(reference.safetensors) for a resume. With neither, start is the base.",
+        description="What the KL term holds the policy near: 'base' (adapters off) or 'start' "
+        "(the adapters after train.sft_steps or model.init_adapter).",
     )
     kl_target: float | None = Field(
         None,
         gt=0,
-        description="KL to the reference (the logged `kl`, nats per token) that an adaptive "
-        "beta holds the policy near, as in Ziegler et al. (2019): after each update beta "
-        "is multiplied by 1 + kl_rate x clip(kl / kl_target - 1, -0.2, 0.2), within "
-        "[1e-4, 1] (logged as kl/beta). It starts at grpo.beta, so rises while the "
-        "policy drifts faster than the target allows and falls while it stays close. "
-        "None: a fixed beta.",
+        description="KL to the reference (nats per token) that an adaptive beta holds the policy "
+        "near (Ziegler et al., 2019); None: a fixed beta.",
     )
     kl_rate: float = Field(
         0.5,
@@ -183,15 +164,8 @@ class GRPOConfig(_Section):
     )
     kl_loss: Literal["k3", "k2"] = Field(
         "k3",
-        description="The per-token KL term of the loss, on the policy's own samples. "
-        "'k3' (TRL, DeepSeek): exp(ref - logp) - (ref - logp) - 1. Its gradient is "
-        "(1 - p_ref / p) x grad logp, in expectation that of the forward KL(reference || "
-        "policy): it pushes up every sampled token the reference likes more than the "
-        "policy, without bound as p falls, so the policy is held to all of the "
-        "reference's mass, prose the base model would write included. 'k2': (logp - "
-        "ref)^2 / 2, whose gradient is in expectation that of KL(policy || reference), "
-        "the KL the objective names (Tang & Munos, 2025). The logged `kl` is the k3 "
-        "estimate under both.",
+        description="Per-token KL term of the loss: 'k3' (TRL: exp(ref - logp) - (ref - logp) "
+        "- 1) or 'k2' ((logp - ref)^2 / 2); `kl` logs k3 under both.",
     )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio.")
     epsilon_high: float | None = Field(
@@ -207,27 +181,19 @@ class GRPOConfig(_Section):
     )
     loss_type: Literal["grpo", "dr_grpo", "dapo", "turn", "episode"] = Field(
         "dapo",
-        description="'grpo': mean over sequences of each sequence's token mean (favours "
-        "short correct and long wrong answers); 'dr_grpo': token sum / (N * "
-        "max_new_tokens), length-unbiased; 'dapo': token mean over the whole batch; "
-        "'turn': each reply of a multi-turn episode weighs one unit (its token mean), "
-        "summed over the episode's turns, mean over episodes ('grpo' when single-turn); "
-        "'episode': as 'turn', but the mean over the episode's turns, so each episode "
-        "weighs one unit however many turns it took.",
+        description="Loss normalisation: 'grpo' (sequence mean), 'dr_grpo' (sum / (N * "
+        "max_new_tokens)), 'dapo' (batch token mean), 'turn' / 'episode' "
+        "(docs/options.md).",
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token",
-        description="'token': one importance ratio per token (GRPO); 'sequence': GSPO, "
-        "one ratio per completion (exp of its mean token log-ratio), clipped as a whole. "
-        "The ratio differs from 1 only when num_iterations > 1; GSPO's paper clips it "
-        "far tighter than tokens are, e.g. --grpo.epsilon=3e-4 --grpo.epsilon_high=4e-4, "
-        "and uses loss_type='grpo' (the other types weigh each sequence by its length).",
+        description="'token': one importance ratio per token (GRPO); 'sequence': one per "
+        "completion, clipped as a whole (GSPO).",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
-        description="Divide advantages by the group's std ('group', paper GRPO), the "
-        "batch's std ('batch'), or not at all ('none', Dr. GRPO: group-std scaling "
-        "up-weights groups that are nearly all right or all wrong).",
+        description="Divide advantages by the group's reward std ('group', GRPO), the batch's "
+        "('batch'), or not at all ('none', Dr. GRPO).",
     )
     mask_truncated_completions: bool = Field(
         False,
@@ -236,116 +202,64 @@ class GRPOConfig(_Section):
     )
     signal_component: str | None = Field(
         None,
-        description="A reward component (a key of recipe.weights, e.g. 'success') that a "
-        "group must score on to train: a group none of whose samples scored above 0 on it, "
-        "whose rewards differ only in partial credit (progress, format), is left out of the "
-        "update as a group without variance is, and the curriculum hears it as one (its "
-        "mean reward, which opens levels, is kept). groups/unscored_frac counts them. "
-        "Guided groups (`guidance`) hold a demonstration and always train.",
+        description="A reward component (e.g. 'success') that a group must score above 0 on, in "
+        "some sample, to train; None: no such gate.",
     )
     reinforce_ill_formed: bool = Field(
         True,
-        description="Multi-turn: whether a reply that its environment marks ill-formed "
-        "(the step's info['format'] is False: web agents, a reply that is not exactly one "
-        "action) is reinforced with the rest of an episode whose advantage is positive. "
-        "False (web_browsing): such a reply leaves the loss of a reinforced episode, so "
-        "that a success does not teach the junk it carried (the environment executes the "
-        "first action it finds); in an episode pushed down it stays. Logged as "
-        "turns/withheld.",
+        description="Multi-turn: whether a reply its environment marks ill-formed is reinforced "
+        "with the rest of an episode whose advantage is positive.",
     )
     blame_replies: Literal["all", "compared"] = Field(
         "all",
-        description="Multi-turn: which replies of an episode with a negative advantage "
-        "the update pushes down. all: every reply. compared: only those played from a "
-        "state (the same tokens so far) from which an episode of the group with a "
-        "positive advantage played on; a reply in a state that only below-average "
-        "episodes reached leaves the loss, since nothing there says another action would "
-        "have done better (after a wrong first action every later one fails, and pushing "
-        "them all down leaves the policy unsure, so it writes prose, in such states). "
-        "Logged as turns/uncompared. The logged entropy is a mean over the loss mask, "
-        "so it then leaves those replies out too. web_browsing, seed 1: from step 1 it "
-        "kept the replies after an invalid action well formed through step 40, where "
-        "blaming every reply had them turn to prose from step 16; from step 20, once "
-        "they had, it did not undo it (its docs/experiments.md).",
+        description="Multi-turn replies that an episode of negative advantage pushes down: 'all', "
+        "or 'compared' (only from states a better episode played on from).",
     )
     skip_zero_variance_groups: bool = Field(
         True,
-        description="Leave groups whose rewards are all equal out of the update: their "
-        "advantages are 0, so they add only the KL term. False trains on every group, as "
-        "TRL and mlx-lm-lora do (the benchmark compares like for like this way).",
+        description="Leave groups whose rewards are all equal out of the update (they add only "
+        "the KL term); false trains every group, as TRL does.",
     )
     guidance: bool = Field(
         False,
-        description="Off-policy guidance (LUFFY): in a group whose every sample scores "
-        "below the recipe's demonstration (`demonstrate(task)` in its tasks.py), the "
-        "demonstration takes the lowest-scoring sample's place, so tasks the policy "
-        "cannot solve yet still point it to a solution. "
-        "Only the update sees it: reward metrics, the curriculum and the samples log "
-        "stay on-policy (`entropy` and `kl` too: guidance/entropy, guidance/kl and "
-        "guidance/logp report the demonstrations' tokens); guidance/groups counts the "
-        "groups it filled.",
+        description="Off-policy guidance (LUFFY): a group whose every sample scores below the "
+        "recipe's demonstration gets it in place of its worst sample.",
     )
     guidance_advantage: Literal["group", "demonstration"] = Field(
         "group",
-        description="The advantages of a guided group. group (LUFFY): over the group "
-        "with the demonstration in; every sample scored below it, so every sample is "
-        "pushed down, and pushing down many sampled tokens raises the policy's entropy. "
-        "demonstration: the samples keep the advantages of their own group (0 when they "
-        "all scored the same) and only the demonstration takes its advantage in the "
-        "group: it is pushed up, and nothing is pushed down that sampling alone would "
-        "not have pushed down. The samples of a group that had no signal of its own "
-        "leave the loss (no KL term, no compute), as an unguided run skips that group; "
-        "they still count in its divisor, so a demonstration weighs as one row.",
+        description="Advantages of a guided group: 'group' (LUFFY: over the group with the "
+        "demonstration in) or 'demonstration' (only it moves).",
     )
     demo_starts: float = Field(
         0.0,
         ge=0,
         le=1,
-        description="Multi-turn recipes with a demonstration: the share of a step's groups "
-        "that start partway through their task's demonstration, after its first k of n "
-        "replies (k uniform in 1..n-1), shown as earlier turns of the prompt; the policy "
-        "plays on from that state and only its own turns train (a reverse curriculum). A "
-        "task no sample solves from its start then gives mixed groups, on-policy, and "
-        "shorter episodes. Those groups are not guided and the curriculum does not hear "
-        "them (its level figures stay those of whole tasks); reward/* counts them, "
-        "starts/groups and starts/reward_mean report them apart. Held-out evaluation "
-        "always starts at the start.",
+        description="Multi-turn: share of a step's groups that start partway through their task's "
+        "demonstration (a reverse curriculum); 0: none.",
     )
     logits_chunk: int = Field(
         1 << 25,
         ge=1 << 16,
-        description="Compute log-probs in row chunks so no logits tensor exceeds this "
-        "many floats (2^25: 128 MB in float32). Each chunk yields its log-probs' gradient "
-        "with its forward; with an entropy bonus, or an output head that trains, the "
-        "chunks are recomputed in the backward pass instead.",
+        description="Most floats in one logits tensor: log-probs are computed in row chunks of at "
+        "most this many (2^25: 128 MB in float32).",
     )
     micro_batch_tokens: int | None = Field(
         4096,
         ge=64,
-        description="Run the update in micro-batches of at most this many sequence "
-        "positions (prompt once per group, plus each completion or episode) and sum "
-        "their gradients: the same loss and gradient, with activation memory bounded "
-        "(about 2.5 MB a position for the 135M default model on 1300-token episodes). "
-        "None: the whole batch at once.",
+        description="Run the update in micro-batches of at most this many positions, gradients "
+        "summed: the same result in bounded memory. None: the whole batch.",
     )
     update_lanes: int | None = Field(
         None,
         ge=1,
-        description="Run this many pieces of each micro-batch (its groups, or runs of a "
-        "group's rows) side by side on CPU streams of their own, each BLAS call on its "
-        "share of the threads (mlx_grpo/lanes.py): the same loss and gradient, with "
-        "the elementwise work of one lane running while another's matmuls do. None: 2 "
-        "where MLX computes on the CPU with 2 or more BLAS threads and evaluates at least "
-        "1000 ops wide (MLX_BFS_MAX_WIDTH, set by mlx_grpo on CPU builds), 1 elsewhere; "
-        "1 under grpo.compile.",
+        description="CPU streams each micro-batch is split over, side by side: the same loss and "
+        "gradient. None: 2 on a CPU with 2+ BLAS threads, else 1.",
     )
 
     compile: bool = Field(
         False,
-        description="Run the update's loss and gradient under mx.compile "
-        "(mlx_grpo/compiled.py): one group per call, prompts and completions padded to "
-        "multiples of 32 tokens so that shapes repeat (the count is logged as compile/traces). Fewer, fused kernels; "
-        "each new shape costs a compilation.",
+        description="Run the update's loss and gradient under mx.compile (mlx_grpo/compiled.py), "
+        "shapes padded to multiples of 32 tokens.",
     )
 
 
@@ -381,9 +295,8 @@ class TrainConfig(_Section):
     sft_steps: int = Field(
         0,
         ge=0,
-        description="Supervised steps on the recipe's demonstrations of training tasks, "
-        "drawn evenly over the levels, before the first GRPO step (mlx_grpo/warmstart.py; "
-        "needs demonstrate(task) in the recipe's tasks.py). 0: none.",
+        description="Supervised warm-start steps on the recipe's demonstrations "
+        "(demonstrate(task)) before the first GRPO step; 0: none.",
     )
     sft_batch_size: int = Field(8, ge=1, description="Demonstrations per warm-start step.")
     sft_learning_rate: float = Field(
@@ -416,10 +329,8 @@ class CurriculumConfig(_Section):
 
     strategy: Literal["learnability", "uniform", "filter"] = Field(
         "learnability",
-        description="'learnability': prioritised replay of tasks whose group rewards vary "
-        "most, new tasks from a bandit over levels (UED); 'uniform': every train task in "
-        "turn; 'filter': DAPO dynamic sampling, roll out more groups than needed and keep "
-        "those with mixed rewards.",
+        description="'learnability': replay tasks whose rewards vary + a bandit over levels "
+        "(UED); 'uniform': tasks in turn; 'filter': DAPO dynamic sampling.",
     )
     levels: list[int] | None = Field(None, description="Train only on these levels.")
     replay_prob: float = Field(
@@ -451,9 +362,8 @@ class CurriculumConfig(_Section):
         0.0,
         ge=0,
         le=1,
-        description="Share of the bandit's level draws made uniformly over the open levels "
-        "(each keeps at least this share over their number): a level whose groups gave no "
-        "signal yet is still visited, which matters when levels are unrelated task types.",
+        description="Share of the level bandit's draws made uniformly over the open levels, so "
+        "that a level without signal yet is still visited.",
     )
     start_levels: int = Field(
         2, ge=1, description="How many of the lowest levels are unlocked at the start."
@@ -487,9 +397,8 @@ class RecipeConfig(_Section):
     )
     rewards: dict[str, str] = Field(
         default_factory=dict,
-        description="Component name -> reward function, 'module:function' or "
-        "'file.py:function' in the recipe folder, added to tasks.py's reward if any; "
-        "(task, completion) or TRL's (completions, **kwargs) signature.",
+        description="Component -> reward function, 'module:function' or 'file.py:function' in the "
+        "recipe folder; added to tasks.py's reward if any.",
     )
     tasks: str | None = Field(
         None, description="A JSONL file of tasks in the recipe folder (instead of tasks.py)."
@@ -497,8 +406,7 @@ class RecipeConfig(_Section):
     reward_timeout_s: float = Field(
         120.0,
         gt=0,
-        description="Longest a reward call may take (one per completion, or one per step "
-        "for batch and TRL-style rewards); past it those completions score 0 with "
+        description="Longest a reward call may take; past it those completions score 0 with "
         "fail/timeout and the run goes on.",
     )
     train_size: int = Field(2000, ge=1, description="Tasks generated for the train split.")
@@ -519,17 +427,13 @@ class OutputConfig(_Section):
     )
     on_full_disk: Literal["stop", "continue"] = Field(
         "stop",
-        description="A checkpoint that cannot be written for lack of space: 'stop' ends "
-        "the run in one line (the previous checkpoint stays; resume when there is room); "
-        "'continue' warns and trains on, trying again at the next save (the last step's "
-        "checkpoint must be written).",
+        description="A checkpoint that cannot be written for lack of space: 'stop' ends the run; "
+        "'continue' warns and tries again at the next save.",
     )
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         default_factory=list,
-        description="Also log to these trackers (TRL's option): tensorboard, wandb, "
-        "trackio, 'all' or none; e.g. --output.report_to=tensorboard,wandb. Each is an "
-        "extra: pip install 'mlx-grpo[trackers]'. W&B runs offline without an API key "
-        "or network; trackers.json in the run folder says where the logs went.",
+        description="Also log to these trackers: tensorboard, wandb, trackio, 'all' or none (e.g. "
+        "tensorboard,wandb); pip install 'mlx-grpo[trackers]'.",
     )
 
     @field_validator("report_to", mode="before")

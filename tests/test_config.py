@@ -251,3 +251,17 @@ def test_a_reward_that_returns_none_is_a_failed_sample_not_a_stopped_run(tmp_pat
     bad, good = recipe.score_groups([task], [["x", "y"]])[0]
     assert bad.reward == 0.0 and "returned None" in bad.error
     assert good.error is None and good.reward == 1.0
+
+
+def test_every_field_has_a_one_line_description():
+    """`--help` shows each field's description on one line: what it controls and its
+    values; the why and the measurements live in docs/options.md."""
+    from mlx_grpo.config import RunConfig
+
+    long = []
+    for section, info in RunConfig.model_fields.items():
+        for name, field in info.annotation.model_fields.items():
+            text = field.description or ""
+            if not text.strip() or "\n" in text or len(text) > 160:
+                long.append(f"{section}.{name} ({len(text)} chars)")
+    assert not long, "descriptions not one line of 1-160 chars: " + ", ".join(long)
