@@ -1,4 +1,4 @@
-"""The update's loss and gradient under `mx.compile` (`--grpo.compile`).
+"""The update's loss and gradient under `mx.compile` (`--engine.compile`).
 
 `mx.compile` traces a function once per input shape and then replays one graph whose
 elementwise runs are fused into single kernels: fewer, larger kernels, which is what
@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
+from mlx_grpo.config import LOGITS_CHUNK
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
@@ -79,7 +80,7 @@ class _LeftPadded(_PrefixCache):
 
     def make_mask(self, n, return_array=False, window_size=None):
         if window_size is not None:
-            raise ValueError("grpo.compile does not support sliding-window attention")
+            raise ValueError("engine.compile does not support sliding-window attention")
         q = mx.arange(self.offset, self.offset + n)[:, None]
         k = mx.arange(self.offset + n)[None]
         return (k <= q) & ((k >= self.start) | (k == q))
@@ -88,15 +89,18 @@ class _LeftPadded(_PrefixCache):
 class CompiledLossAndGrad:
     """A drop-in for `nn.value_and_grad(model, grpo_loss)` in `policy_gradient`:
     `(model, batch) -> ((loss, metrics), grads)`, the sum of one compiled call per group.
-    `traces` counts the shapes traced (each costs one compilation)."""
+    `traces` counts the shapes traced (each costs one compilation). `cfg` is the
+    objective (`GRPOConfig`); `entropy_bonus` says whether the run's bonus is on (None:
+    `grpo.entropy_bonus_on(cfg)`, a fixed weight)."""
 
-    def __init__(self, model: nn.Module, cfg):
+    def __init__(self, model: nn.Module, cfg, logits_chunk: int = LOGITS_CHUNK, entropy_bonus=None):
         if not _splittable(model):
             raise ValueError(
-                "grpo.compile needs an mlx_lm model with an output head and plain KV "
-                "caches; this model has neither, set --grpo.compile=false"
+                "engine.compile needs an mlx_lm model with an output head and plain KV "
+                "caches; this model has neither, set --engine.compile=false"
             )
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.chunk = model, cfg, logits_chunk
+        self.bonus = entropy_bonus_on(cfg) if entropy_bonus is None else entropy_bonus
         self.traces = 0
         self.head = _output_head(model)
         self.vocab = _vocab_size(model, self.head, mx.zeros((1, 1), mx.int32))
@@ -119,8 +123,7 @@ class CompiledLossAndGrad:
         if c > 1:
             rest = model.model(comp[:, : c - 1], cache=[pc.shared(r) for pc in cache])
             hidden = mx.concatenate([hidden, rest], axis=1)
-        chunk, grad = self.cfg.logits_chunk, entropy_bonus_on(self.cfg)
-        lp, ent = _head_logprobs(self.head, hidden, comp, chunk, self.vocab, grad)
+        lp, ent = _head_logprobs(self.head, hidden, comp, self.chunk, self.vocab, self.bonus)
         on = mask > 0
         lp, ent = mx.where(on, lp, 0.0), mx.where(on, ent, 0.0)
         batch = LossInputs(
@@ -134,6 +137,7 @@ class CompiledLossAndGrad:
             total_rows=counts[0],
             total_tokens=counts[1],
             entropy_coef=coef,
+            entropy_bonus=self.bonus,
             beta=beta,
             guided=guided,
         )

@@ -15,6 +15,9 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# Most floats in one logits tensor (engine.logits_chunk): 2^25 is 128 MB in float32.
+LOGITS_CHUNK = 1 << 25
+
 
 class ConfigError(ValueError):
     """A bad config value or file; the message is one line that names the field."""
@@ -134,33 +137,10 @@ class GRPOConfig(_Section):
         description="Weight of an entropy bonus (the loss subtracts it x the mean token entropy); "
         "0: none. With entropy_target set, the starting weight.",
     )
-    entropy_target: float | None = Field(
-        None,
-        gt=0,
-        description="Entropy (nats per token) that an adaptive bonus holds the policy at by "
-        "moving entropy_coef each step; None: a fixed weight.",
-    )
-    entropy_coef_rate: float = Field(
-        0.01, gt=0, description="Change of the adaptive entropy weight per nat of error per step."
-    )
-    entropy_coef_max: float = Field(
-        0.05, gt=0, description="Upper bound of the adaptive entropy weight."
-    )
     reference: Literal["base", "start"] = Field(
         "base",
         description="What the KL term holds the policy near: 'base' (adapters off) or 'start' "
         "(the adapters after train.sft_steps or model.init_adapter).",
-    )
-    kl_target: float | None = Field(
-        None,
-        gt=0,
-        description="KL to the reference (nats per token) that an adaptive beta holds the policy "
-        "near (Ziegler et al., 2019); None: a fixed beta.",
-    )
-    kl_rate: float = Field(
-        0.5,
-        gt=0,
-        description="Gain of the adaptive beta: at most a 0.2 x kl_rate change a step.",
     )
     kl_loss: Literal["k3", "k2"] = Field(
         "k3",
@@ -200,6 +180,11 @@ class GRPOConfig(_Section):
         description="Leave completions that hit max_new_tokens out of the loss (DAPO): "
         "their reward judges an unfinished answer.",
     )
+
+
+class CreditConfig(_Section):
+    """Credit assignment: which groups and which replies the update trains (credit.py)."""
+
     signal_component: str | None = Field(
         None,
         description="A reward component (e.g. 'success') that a group must score above 0 on, in "
@@ -220,12 +205,17 @@ class GRPOConfig(_Section):
         description="Leave groups whose rewards are all equal out of the update (they add only "
         "the KL term); false trains every group, as TRL does.",
     )
-    guidance: bool = Field(
+
+
+class GuidanceConfig(_Section):
+    """Demonstrations inside GRPO's groups (guidance.py); needs the recipe's demonstrate(task)."""
+
+    enabled: bool = Field(
         False,
         description="Off-policy guidance (LUFFY): a group whose every sample scores below the "
         "recipe's demonstration gets it in place of its worst sample.",
     )
-    guidance_advantage: Literal["group", "demonstration"] = Field(
+    advantage: Literal["group", "demonstration"] = Field(
         "group",
         description="Advantages of a guided group: 'group' (LUFFY: over the group with the "
         "demonstration in) or 'demonstration' (only it moves).",
@@ -237,8 +227,41 @@ class GRPOConfig(_Section):
         description="Multi-turn: share of a step's groups that start partway through their task's "
         "demonstration (a reverse curriculum); 0: none.",
     )
+
+
+class ControllersConfig(_Section):
+    """Controllers that steer the entropy bonus and the KL weight from step to step."""
+
+    entropy_target: float | None = Field(
+        None,
+        gt=0,
+        description="Entropy (nats per token) that an adaptive bonus holds the policy at by "
+        "moving grpo.entropy_coef each step; None: a fixed weight.",
+    )
+    entropy_coef_rate: float = Field(
+        0.01, gt=0, description="Change of the adaptive entropy weight per nat of error per step."
+    )
+    entropy_coef_max: float = Field(
+        0.05, gt=0, description="Upper bound of the adaptive entropy weight."
+    )
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="KL to the reference (nats per token) that an adaptive beta holds the policy "
+        "near (Ziegler et al., 2019); None: a fixed beta.",
+    )
+    kl_rate: float = Field(
+        0.5,
+        gt=0,
+        description="Gain of the adaptive beta: at most a 0.2 x kl_rate change a step.",
+    )
+
+
+class EngineConfig(_Section):
+    """How the update is computed: the same result in other memory, streams or graphs."""
+
     logits_chunk: int = Field(
-        1 << 25,
+        LOGITS_CHUNK,
         ge=1 << 16,
         description="Most floats in one logits tensor: log-probs are computed in row chunks of at "
         "most this many (2^25: 128 MB in float32).",
@@ -255,7 +278,6 @@ class GRPOConfig(_Section):
         description="CPU streams each micro-batch is split over, side by side: the same loss and "
         "gradient. None: 2 on a CPU with 2+ BLAS threads, else 1.",
     )
-
     compile: bool = Field(
         False,
         description="Run the update's loss and gradient under mx.compile (mlx_grpo/compiled.py), "
@@ -467,6 +489,10 @@ class RunConfig(_Section):
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    credit: CreditConfig = Field(default_factory=CreditConfig)
+    guidance: GuidanceConfig = Field(default_factory=GuidanceConfig)
+    controllers: ControllersConfig = Field(default_factory=ControllersConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
@@ -485,15 +511,16 @@ class RunConfig(_Section):
     def _consistent(self) -> RunConfig:
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
             raise ValueError("grpo.epsilon_high must be >= grpo.epsilon (it widens the upper clip)")
-        comp = self.grpo.signal_component
+        comp = self.credit.signal_component
         if comp is not None and self.recipe.weights and comp not in self.recipe.weights:
             raise ValueError(
-                f"grpo.signal_component: '{comp}' is not one of the recipe's reward "
+                f"credit.signal_component: '{comp}' is not one of the recipe's reward "
                 f"components ({', '.join(self.recipe.weights)})"
             )
-        if self.grpo.kl_target is not None and self.grpo.beta == 0:
+        if self.controllers.kl_target is not None and self.grpo.beta == 0:
             raise ValueError(
-                "grpo.kl_target needs grpo.beta > 0: beta is where the adaptive weight starts"
+                "controllers.kl_target needs grpo.beta > 0: beta is where the adaptive weight "
+                "starts"
             )
         return self
 
@@ -501,7 +528,9 @@ class RunConfig(_Section):
 def _format_error(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
     field = ".".join(str(p) for p in e["loc"])
-    if e["type"] == "extra_forbidden":
+    if e["type"] == "extra_forbidden" and field in MOVED:
+        msg = f"'{field}' is now '{MOVED[field]}'"
+    elif e["type"] == "extra_forbidden":
         section, _, name = field.rpartition(".")
         known = _known_fields(section)
         msg = f"unknown field '{field}'" + (f" (known: {', '.join(known)})" if known else "")
@@ -603,7 +632,7 @@ def build_config(
     first layer's: the recipe's recipe.toml, or a resumed run's config.json), else
     with `source`."""
     layers = (
-        (defaults_file, recipe_defaults),
+        (defaults_file, migrate(recipe_defaults) if recipe_defaults else None),
         (config_file, read_toml(config_file) if config_file else None),
         (None, overrides),
     )
@@ -617,6 +646,35 @@ def build_config(
         loc = e.errors()[0]["loc"]
         where = next((name for name, layer in reversed(layers) if _holds(layer, loc)), None)
         raise ConfigError(_format_error(e, str(where or source))) from None
+
+
+# Fields that left the grpo section for their own (old name -> new name).
+MOVED = {
+    **{f"grpo.{k}": f"credit.{k}" for k in CreditConfig.model_fields},
+    "grpo.guidance": "guidance.enabled",
+    "grpo.guidance_advantage": "guidance.advantage",
+    "grpo.demo_starts": "guidance.demo_starts",
+    **{f"grpo.{k}": f"controllers.{k}" for k in ControllersConfig.model_fields},
+    **{f"grpo.{k}": f"engine.{k}" for k in EngineConfig.model_fields},
+}
+
+
+def migrate(data: dict) -> dict:
+    """`data` with the fields of MOVED under their new names: a run folder's config.json
+    (or a recipe.toml) written before they moved reads as it was meant. Flags and
+    --config files name the new fields (an old name there is a one-line error).
+
+    >>> migrate({"grpo": {"beta": 0.1, "guidance": True}})
+    {'grpo': {'beta': 0.1}, 'guidance': {'enabled': True}}
+    """
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for old, new in MOVED.items():
+        section, name = old.split(".")
+        if isinstance(out.get(section), dict) and name in out[section]:
+            value = out[section].pop(name)
+            to, field = new.split(".")
+            out.setdefault(to, {})[field] = value
+    return out
 
 
 def _holds(layer: Any, loc: tuple) -> bool:

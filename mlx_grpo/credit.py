@@ -6,28 +6,28 @@ The rules, in order (`assign_credit`):
 1. A completion that failed for the machine's sake (`recipe.INFRASTRUCTURE_FAILURES`:
    a browser that died) is neither blamed nor credited: it takes the mean reward of
    its group's others, and its advantage is exactly 0.
-2. With guidance (`grpo.guidance`), a demonstration replaces a sample of a group in
+2. With guidance (`guidance.enabled`), a demonstration replaces a sample of a group in
    which no sample succeeded, with its reward; the advantages are computed over the
    group with the demonstration in. A demonstration is never an infrastructure failure.
 3. Advantages are group-relative: the reward minus its group's mean, scaled as
    `grpo.scale_rewards` says (`grpo.group_advantages`).
 4. A group whose rewards are all equal carries no policy gradient (no signal). With
-   `grpo.signal_component`, a group in which no sample scored above 0 on that
+   `credit.signal_component`, a group in which no sample scored above 0 on that
    component has no signal either (its variance is partial credit alone), unless a
    demonstration was guided into it.
-5. With `grpo.guidance_advantage="demonstration"`, each sample keeps the advantage of
+5. With `guidance.advantage="demonstration"`, each sample keeps the advantage of
    its own on-policy group and only the demonstration takes the guided one; the
    samples of a group without signal of their own then stay in the batch with no loss
    tokens (`Credit.silent`), so that the demonstration trains alone.
 6. The update trains the groups with signal, at most `train.batch_size` of them;
-   without `grpo.skip_zero_variance_groups` the groups of equal rewards join them
+   without `credit.skip_zero_variance_groups` the groups of equal rewards join them
    (never the unscored ones).
 7. The curriculum hears each group's on-policy rewards, an unscored group's as their
    mean (it taught nothing).
 
 Within an episode that trains, `update.build_loss_inputs` leaves out of the loss the
 ill-formed replies of a reinforced episode (`withheld_turns`, unless
-`grpo.reinforce_ill_formed`) and, with `grpo.blame_replies="compared"`, the replies of
+`credit.reinforce_ill_formed`) and, with `credit.blame_replies="compared"`, the replies of
 a below-average episode that no better episode was there to be compared with
 (`uncompared_turns`).
 """
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlx_grpo.config import GRPOConfig
+from mlx_grpo.config import RunConfig
 from mlx_grpo.env import turn_spans
 from mlx_grpo.grpo import group_advantages, zero_variance_groups
 from mlx_grpo.guidance import demonstration_advantages
@@ -125,13 +125,12 @@ def assign_credit(
     records: list[CompletionRecord],
     guided: list[tuple[int, float]],
     demos: list[int],
-    group_size: int,
-    batch_size: int,
-    grpo: GRPOConfig,
+    cfg: RunConfig,
 ) -> Credit:
     """The module's rules applied to a step's `records`; `guided` holds (row, reward)
-    of each demonstration guided into the batch and `demos` the rows that hold one."""
-    g = group_size
+    of each demonstration guided into the batch and `demos` the rows that hold one.
+    Reads the run's `grpo.scale_rewards`, `credit` and `guidance.advantage`."""
+    g, scale, credit = cfg.grpo.num_generations, cfg.grpo.scale_rewards, cfg.credit
     scored = np.array([r.reward for r in records], dtype=np.float32)
     broke = np.array([r.failure in INFRASTRUCTURE_FAILURES for r in records])
     rewards = without_infrastructure_failures(scored, broke, g)
@@ -140,12 +139,12 @@ def assign_credit(
         update_rewards[row] = r
     broke[demos] = False  # (a demonstration took the place; a crash rescored stays)
     update_rewards = without_infrastructure_failures(update_rewards, broke, g)
-    advantages = group_advantages(mx.array(update_rewards), g, grpo.scale_rewards)
+    advantages = group_advantages(mx.array(update_rewards), g, scale)
     zero_var = np.array(zero_variance_groups(mx.array(rewards), g))
-    unscored = unscored_groups(records, g, grpo.signal_component) & ~zero_var
+    unscored = unscored_groups(records, g, credit.signal_component) & ~zero_var
     quiet = np.zeros_like(zero_var)
-    if demos and grpo.guidance_advantage == "demonstration":
-        own = group_advantages(mx.array(rewards), g, grpo.scale_rewards)
+    if demos and cfg.guidance.advantage == "demonstration":
+        own = group_advantages(mx.array(rewards), g, scale)
         advantages = mx.array(demonstration_advantages(np.array(advantages), np.array(own), demos))
         quiet = zero_var | unscored
     silent = frozenset(r for r in range(len(records)) if quiet[r // g] and r not in demos)
@@ -157,7 +156,7 @@ def assign_credit(
     heard = rewards.reshape(-1, g).copy()
     heard[unscored] = heard[unscored].mean(axis=1, keepdims=True)
     train_groups = groups_to_train(
-        no_signal, batch_size, grpo.skip_zero_variance_groups, no_signal & unscored
+        no_signal, cfg.train.batch_size, credit.skip_zero_variance_groups, no_signal & unscored
     )
     return Credit(
         scored, rewards, advantages, zero_var, unscored, no_signal, quiet, silent,
@@ -197,7 +196,7 @@ def groups_to_train(
     whose rewards are all equal carry no policy gradient, so they are left out of the
     loss and its divisors unless `skip_zero_variance` is off), at most `batch_size`
     (`filter` rolls out more groups than it trains). `unscored` groups (variance from
-    partial credit alone, `grpo.signal_component`) never train.
+    partial credit alone, `credit.signal_component`) never train.
 
     >>> groups_to_train(np.array([True, False, False, True]), 1, True)
     [1]
@@ -228,7 +227,7 @@ def unscored_groups(records: list[CompletionRecord], group_size: int, component)
     names = {k for r in records for k in r.components}
     if names and component not in names:
         raise TrainingError(
-            f"grpo.signal_component: the recipe's rewards have no component '{component}' "
+            f"credit.signal_component: the recipe's rewards have no component '{component}' "
             f"(they have: {', '.join(sorted(names))})"
         )
     scores = np.array([r.components.get(component, 0.0) for r in records])
@@ -241,7 +240,7 @@ def uncompared_turns(
     """(row, [start, end)) of each reply of a below-average episode (negative advantage)
     that no above-average episode of its group was there to be compared with: none of
     them had played the same tokens up to the reply's start. What
-    `grpo.blame_replies="compared"` leaves out of the loss; a group's first replies all
+    `credit.blame_replies="compared"` leaves out of the loss; a group's first replies all
     start from its prompt, so they always stay.
 
     >>> ok = Completion(0, [1, 2, 9, 3, 4], "", "stop", [1, 1, 0, 1, 1])

@@ -167,9 +167,9 @@ def _auto_lanes() -> int:
 
 
 def update_lanes(requested: int | None, compiled: bool = False) -> Lanes:
-    """The lanes of the update (`grpo.update_lanes`; None: as many as pay on this
+    """The lanes of the update (`engine.update_lanes`; None: as many as pay on this
     device), made once per thread and count (MLX streams belong to the thread that made
-    them). A compiled update (`grpo.compile`) runs in one lane."""
+    them). A compiled update (`engine.compile`) runs in one lane."""
     n = 1 if compiled else (_auto_lanes() if requested is None else requested)
     key = (threading.get_ident(), n)
     if key not in _MADE:

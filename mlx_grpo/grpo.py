@@ -59,7 +59,7 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
 - Data-parallel runs (mlx_grpo/dist.py) split the batch over ranks and sum their
   gradients. Each rank divides by the batch's *global* count (`LossInputs.total_rows`
   and `total_tokens`), so the sum is exactly the gradient of AGG over the whole batch.
-  The same holds for micro-batches (`micro_batches`, `grpo.micro_batch_tokens`): a
+  The same holds for micro-batches (`micro_batches`, `engine.micro_batch_tokens`): a
   batch too large to hold its activations at once is split, each piece divides by the
   whole batch's counts, and the pieces' gradients are summed.
 """
@@ -73,6 +73,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_grpo.config import LOGITS_CHUNK
 from mlx_grpo.env import turn_spans
 from mlx_grpo.logprobs import completion_logprobs, effective_lengths, shared_inputs
 
@@ -128,15 +129,20 @@ class LossInputs:
     total_rows: int | None = None
     total_tokens: float | None = None
     # The entropy bonus's weight this step (`next_entropy_coef` moves it; None: the
-    # config's `entropy_coef`); an array under grpo.compile, so that a new value does
+    # config's `entropy_coef`); an array under engine.compile, so that a new value does
     # not trigger a new trace.
     entropy_coef: float | mx.array | None = None
-    # The KL weight this step (`next_beta` moves it under grpo.kl_target; None: the
-    # config's `beta`); an array under grpo.compile, as `entropy_coef`.
+    # The run's bonus is adaptive (controllers.entropy_target): the loss pays for entropy
+    # at `entropy_coef` even where the config's fixed weight is 0 (`pays_entropy`).
+    entropy_bonus: bool = False
+    # The KL weight this step (`next_beta` moves it under controllers.kl_target; None: the
+    # config's `beta`); an array under engine.compile, as `entropy_coef`.
     beta: float | mx.array | None = None
-    # [N] 1.0 on the rows that are demonstrations (grpo.guidance), not the policy's own
+    # [N] 1.0 on the rows that are demonstrations (guidance.enabled), not the policy's own
     # samples: the metrics report them apart (`GUIDED_PARTS`).
     guided: mx.array | None = None
+    # Most floats in one logits tensor: log-probs in row chunks (engine.logits_chunk).
+    logits_chunk: int = LOGITS_CHUNK
 
 
 def micro_batches(
@@ -300,7 +306,7 @@ def per_token_loss(
     clipped = mx.clip(ratio, 1 - epsilon, 1 + epsilon_high) * adv
     loss = mx.broadcast_to(-mx.minimum(unclipped, clipped), logp.shape)
     is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
-    # An array beta (the adaptive weight, under grpo.compile) is > 0 by construction.
+    # An array beta (the adaptive weight, under engine.compile) is > 0 by construction.
     if ref_logp is not None and (isinstance(beta, mx.array) or beta > 0):
         d = ref_logp - logp
         kl = mx.exp(d) - d - 1
@@ -398,17 +404,16 @@ LOSS_METRICS = (
 def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[str, mx.array]]:
     """The GRPO objective for `nn.value_and_grad`: returns (loss, metrics).
 
-    `cfg` is a `GRPOConfig` (only epsilon, epsilon_high, beta, loss_type,
-    importance_sampling_level and logits_chunk are read).
+    `cfg` is a `GRPOConfig` (the objective's section).
     """
     logp, entropy = completion_logprobs(
         model,
         batch.prompts,
         batch.completions,
-        cfg.logits_chunk,
+        batch.logits_chunk,
         mask=batch.mask,
         # At weight 0 (the controller above its target) the entropy's backward is waste.
-        entropy_grad=entropy_bonus_on(cfg) and entropy_weight(batch, cfg) != 0,
+        entropy_grad=pays_entropy(batch, cfg) and entropy_weight(batch, cfg) != 0,
     )
     return objective(logp, entropy, batch, cfg)
 
@@ -460,7 +465,7 @@ def objective(
         clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)
         ratio_mean = masked_mean(ratio, mask, tokens)
     mean_entropy = masked_mean(entropy, mask, tokens)
-    if entropy_bonus_on(cfg):  # the entropies carry a gradient (completion_logprobs)
+    if pays_entropy(batch, cfg):  # the entropies carry a gradient (completion_logprobs)
         loss = loss - entropy_weight(batch, cfg) * mean_entropy
     metrics = {
         "loss/policy": aggregate(tok_loss - beta * penalty, mask, *counts),
@@ -528,9 +533,16 @@ def split_reinforced(metrics: dict) -> dict:
     return out
 
 
-def entropy_bonus_on(cfg) -> bool:
-    """Whether the loss has an entropy bonus (fixed, or adaptive from any start)."""
-    return cfg.entropy_coef > 0 or cfg.entropy_target is not None
+def entropy_bonus_on(cfg, controllers=None) -> bool:
+    """Whether a run's loss has an entropy bonus: a fixed weight (`grpo.entropy_coef`),
+    or an adaptive one from any start (`controllers.entropy_target`)."""
+    return cfg.entropy_coef > 0 or getattr(controllers, "entropy_target", None) is not None
+
+
+def pays_entropy(batch: LossInputs, cfg) -> bool:
+    """Whether `batch`'s loss has the entropy bonus: the config's fixed weight, or an
+    adaptive one its run turned on (`LossInputs.entropy_bonus`)."""
+    return cfg.entropy_coef > 0 or batch.entropy_bonus
 
 
 def entropy_weight(batch: LossInputs, cfg) -> float | mx.array:
@@ -540,7 +552,8 @@ def entropy_weight(batch: LossInputs, cfg) -> float | mx.array:
 
 def next_entropy_coef(coef: float, entropy: float, cfg) -> float:
     """The entropy bonus's weight for the next step, after a step whose policy had mean
-    token `entropy`: unchanged without `cfg.entropy_target`, else an integral controller
+    token `entropy` (`cfg`: the controllers section): unchanged without
+    `cfg.entropy_target`, else an integral controller
     (as SAC tunes its temperature, on the weight itself so that it can reach 0) that
     moves it by `entropy_coef_rate` per nat below the target, within
     [0, entropy_coef_max].
@@ -556,7 +569,7 @@ def next_entropy_coef(coef: float, entropy: float, cfg) -> float:
     return min(max(coef, 0.0), cfg.entropy_coef_max)
 
 
-# Where the adaptive KL weight stays (grpo.kl_target): above 0, so that the reference
+# Where the adaptive KL weight stays (controllers.kl_target): above 0, so that the reference
 # pass it needs keeps running, and at most 1, where the KL term outweighs any advantage.
 BETA_RANGE = (1e-4, 1.0)
 # Ziegler et al. (2019) clip the controller's error to +-0.2, so that one noisy step
@@ -571,7 +584,7 @@ def kl_weight(batch: LossInputs, cfg) -> float | mx.array:
 
 def next_beta(beta: float, kl: float, cfg) -> float:
     """The KL weight for the next step, after a step whose mean token KL to the
-    reference was `kl`: unchanged without `cfg.kl_target`, else Ziegler et al. (2019)'s
+    reference was `kl` (`cfg`: the controllers section): unchanged without `cfg.kl_target`, else Ziegler et al. (2019)'s
     proportional controller, beta x (1 + kl_rate x clip(kl / kl_target - 1, +-0.2)),
     within BETA_RANGE.
 

@@ -2,7 +2,7 @@
 
 A group in which no sample succeeds (a level the policy cannot yet solve) gives GRPO
 no gradient toward success: none when its G samples all score the same, and only the
-partial credit's when they differ. With `grpo.guidance`, the recipe's own replies for
+partial credit's when they differ. With `guidance.enabled`, the recipe's own replies for
 the task (`demonstrate(task)` in its tasks.py: a scripted solution) are played through
 the same environment and chat template as a sampled episode, scored by the same
 reward, and put in place of the group's lowest-scoring sample when they score higher
@@ -120,7 +120,7 @@ def demonstration_starts(
     cfg: RolloutConfig,
     say=print,
 ) -> list[list[str]]:
-    """`grpo.demo_starts`: the replies each task's group starts after ([]: from the
+    """`guidance.demo_starts`: the replies each task's group starts after ([]: from the
     start). A share of the tasks, drawn with `rng`, start after the first k of the n
     replies of their demonstration, k uniform in 1..n-1: a reverse curriculum over the
     demonstration's states (Salimans & Chen 2018; R3, Xi et al. 2024). From there the
@@ -134,7 +134,7 @@ def demonstration_starts(
             try:
                 replies = demonstration_replies(recipe, task, cfg)
             except Exception as e:  # the recipe's script or env: this group starts at 0
-                say(f"grpo.demo_starts: the demonstration of {task.id} raised: {e!r}")
+                say(f"guidance.demo_starts: the demonstration of {task.id} raised: {e!r}")
         starts.append(replies[: int(rng.integers(1, len(replies)))] if len(replies) > 1 else [])
     return starts
 
@@ -156,8 +156,8 @@ def guide_groups(
     `scored`. A recipe that scores a group as a whole
     (`reward_batch`) scores it again with the demonstration in. Groups whose reward
     raised, and demonstrations that raise (said once each), are left as sampled.
-    Groups in `skip` (those that started partway: `grpo.demo_starts`) are left alone.
-    `signal`: `grpo.signal_component`. Returns the (row, reward) of the demonstration
+    Groups in `skip` (those that started partway: `guidance.demo_starts`) are left alone.
+    `signal`: `credit.signal_component`. Returns the (row, reward) of the demonstration
     and of every row whose reward changed."""
     g = rollout.group_size
     whole = callable(getattr(recipe.module, "reward_batch", None))
@@ -170,7 +170,7 @@ def guide_groups(
         try:
             demo = demonstration(recipe, tokenizer, task, i, rollout.prompts[i], cfg)
         except Exception as e:  # the recipe's script or env: this group goes unguided
-            say(f"grpo.guidance: the demonstration of {task.id} raised, left out: {e!r}")
+            say(f"guidance.enabled: the demonstration of {task.id} raised, left out: {e!r}")
             continue
         if demo is None or demo.finish_reason != "stop":
             continue
@@ -194,7 +194,7 @@ def guide_groups(
 
 
 def solved(group: list[Scored], signal: str | None, best: float) -> bool:
-    """A sample of the group did the task: it scored on `signal` (grpo.signal_component,
+    """A sample of the group did the task: it scored on `signal` (credit.signal_component,
     else the reward's `success` when it has one), or, for a reward with neither, reached
     the recipe's best. (A success that lost a little elsewhere, an extra step's
     efficiency, is still a success: a demonstration must not take its place.)
@@ -214,7 +214,7 @@ def solved(group: list[Scored], signal: str | None, best: float) -> bool:
 def demonstration_advantages(
     guided: np.ndarray, sampled: np.ndarray, demo_rows: list[int]
 ) -> np.ndarray:
-    """`grpo.guidance_advantage="demonstration"`: each row's advantage in its own
+    """`guidance.advantage="demonstration"`: each row's advantage in its own
     sampled group (`sampled`, from the on-policy rewards), except the demonstration
     rows, which keep theirs in the group with the demonstration in (`guided`).
 

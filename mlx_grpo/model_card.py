@@ -100,8 +100,8 @@ def _settings_table(run: Run) -> str:
         (
             "KL coefficient beta (k3)",
             c.grpo.beta
-            if c.grpo.kl_target is None
-            else f"{c.grpo.beta:g} at the start, adaptive (KL target {c.grpo.kl_target:g})",
+            if c.controllers.kl_target is None
+            else f"{c.grpo.beta:g} at the start, adaptive (KL target {c.controllers.kl_target:g})",
         ),
         (
             "KL reference",

@@ -157,10 +157,10 @@ def guard_key(metric: str) -> str:
 
 
 def guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
-    if key.startswith("entropy") and entropy_bonus_on(cfg.grpo):
+    if key.startswith("entropy") and entropy_bonus_on(cfg.grpo, cfg.controllers):
         return (
             "the loss pays for entropy (grpo.entropy_coef / entropy_target): lower "
-            "--grpo.entropy_target or --grpo.entropy_coef_max, or turn the bonus off"
+            "--controllers.entropy_target or --controllers.entropy_coef_max, or turn the bonus off"
         )
     taught = ratios.get("entropy/reinforced")
     if key == "entropy" and taught is not None and taught <= GUARD_FACTOR:
@@ -173,8 +173,8 @@ def guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
     levels = hist.get("curriculum/max_level", [])
     if len(levels) > 5 and levels[-1] > levels[-6]:
         gate = ""
-        if not cfg.grpo.signal_component and "success" in cfg.recipe.weights:
-            gate = "training only groups with a success (--grpo.signal_component=success), "
+        if not cfg.credit.signal_component and "success" in cfg.recipe.weights:
+            gate = "training only groups with a success (--credit.signal_component=success), "
         return (
             f"the curriculum opened level {levels[-1]:g} in the last 5 steps and its groups "
             f"give little signal; {gate}a lower learning rate or a later unlock "
@@ -188,14 +188,14 @@ def guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
             "lower learning rate"
         )
     if key == "kl":
-        if cfg.grpo.kl_target is not None:
+        if cfg.controllers.kl_target is not None:
             return (
                 "the policy is moving away faster than the adaptive beta follows: raise "
-                "--grpo.kl_rate or lower --grpo.kl_target or --optimizer.learning_rate"
+                "--controllers.kl_rate or lower --controllers.kl_target or --optimizer.learning_rate"
             )
         return (
             "the policy is moving away fast: lower --optimizer.learning_rate, raise "
-            "--grpo.beta, or let a controller hold it near a target (--grpo.kl_target)"
+            "--grpo.beta, or let a controller hold it near a target (--controllers.kl_target)"
         )
     return "the updates are too large for this signal: lower --optimizer.learning_rate"
 
@@ -217,7 +217,7 @@ def signal_warnings(
             truncated = np.array([r.truncated for r in records])
             best = sum(w for w in cfg.recipe.weights.values() if w > 0) or 1.0
             cause = zero_signal_cause(rewards, truncated, best)
-            comp = cfg.grpo.signal_component
+            comp = cfg.credit.signal_component
             groups = rewards.reshape(len(zero_var), -1)
             if comp and np.ptp(groups, axis=1).max() > 0:  # the variance was partial credit
                 cause = f"no sample scored on {comp}: the open levels are beyond the policy"
@@ -303,13 +303,13 @@ def option_metrics(
     """The metrics of the options a run has on: what credit assignment left out of the
     loss, guidance, demonstration starts and the controllers' weights this step's
     update used (`counters_then`: entropy_coef, beta). `starts[i]`: where group i's
-    episodes started (`grpo.demo_starts`; empty for the start)."""
-    g, grpo, out = cfg.grpo.num_generations, cfg.grpo, {}
+    episodes started (`guidance.demo_starts`; empty for the start)."""
+    g, out = cfg.grpo.num_generations, {}
     partway = [i for i, s in enumerate(starts) if s]
     multi_turn = records[0].turns is not None
-    if grpo.signal_component:
+    if cfg.credit.signal_component:
         out["groups/unscored_frac"] = float(credit.unscored.mean())
-    if not grpo.reinforce_ill_formed and multi_turn:
+    if not cfg.credit.reinforce_ill_formed and multi_turn:
         # The ill-formed replies of reinforced episodes (`build_loss_inputs`); a silent
         # row's replies are out of the loss anyway.
         adv = np.array(credit.advantages)
@@ -320,21 +320,21 @@ def option_metrics(
             for r in range(gi * g, (gi + 1) * g)
             if adv[r] > 0
         )
-    if grpo.blame_replies == "compared" and local_batch is not None:
+    if cfg.credit.blame_replies == "compared" and local_batch is not None:
         comps, adv = local_batch  # (this rank's trained rows)
         out["turns/uncompared"] = len(uncompared_turns(comps, adv, g))
     if cfg.rollout.end_on_ill_formed and multi_turn:
         out["episodes/ended_ill_formed"] = float(np.mean([r.ended_ill_formed for r in records]))
-    if grpo.demo_starts:
+    if cfg.guidance.demo_starts:
         out["starts/groups"] = len(partway)
         if partway:
             out["starts/reward_mean"] = float(credit.rewards.reshape(-1, g)[partway].mean())
-    if grpo.guidance:
+    if cfg.guidance.enabled:
         out["guidance/groups"] = len(credit.guided_groups)
         out["time/guidance_s"] = max(sh["guidance_seconds"] for sh in shares)
     entropy_coef, beta = counters_then
-    if entropy_bonus_on(grpo):
+    if entropy_bonus_on(cfg.grpo, cfg.controllers):
         out["entropy/coef"] = entropy_coef  # the weight this step's update used
-    if grpo.kl_target is not None:
+    if cfg.controllers.kl_target is not None:
         out["kl/beta"] = beta  # the KL weight this step's update used
     return out

@@ -45,7 +45,7 @@ class Completion:
     # Episodes: 1 where `tokens` holds a model token, 0 for the environment's tokens.
     loss_mask: list[int] | None = None
     episode: Episode | None = None
-    demonstration: bool = False  # the recipe's demonstration, not a sample (grpo.guidance)
+    demonstration: bool = False  # the recipe's demonstration, not a sample (guidance.enabled)
     # Per sampled token (the model's tokens, in order): the entropy of the untempered
     # policy's distribution it was drawn from, whatever later takes it out of the loss.
     # None for a demonstration.
@@ -757,7 +757,7 @@ def rollout_tasks(
 
     `starts[i]` (multi-turn) are replies played in task i's environments before its
     group samples: the prompt shows them as earlier turns with the environment's
-    answers, so the group plays on from that state (`grpo.demo_starts`).
+    answers, so the group plays on from that state (`guidance.demo_starts`).
 
     At most `cfg.max_in_flight` samples are played at once: more tasks are played in
     batches of whole groups, one after another, and joined into one Rollout."""

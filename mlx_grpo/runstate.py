@@ -66,7 +66,7 @@ class RunState:
         dist.run_on_main(lambda: self.folder.write_config(cfg))
         if self.counters.entropy_coef is None:  # a new run, or one from before the option
             self.counters.entropy_coef = cfg.grpo.entropy_coef
-        if self.counters.beta is None or cfg.grpo.kl_target is None:  # or a fixed beta
+        if self.counters.beta is None or cfg.controllers.kl_target is None:  # or a fixed beta
             self.counters.beta = cfg.grpo.beta
 
     def base_eval(self, evaluate_fn, trackers, info) -> None:
@@ -176,7 +176,7 @@ class Counters:
     history: dict[str, list[float]] = field(default_factory=dict)
     guard_streak: dict[str, int] = field(default_factory=dict)
     entropy_coef: float | None = None  # the adaptive entropy bonus's weight (None: not begun)
-    beta: float | None = None  # the KL weight, adaptive under grpo.kl_target (None: not begun)
+    beta: float | None = None  # the KL weight, adaptive under controllers.kl_target
 
 
 def unless_full_disk(write, go_on: bool, say, what: str):

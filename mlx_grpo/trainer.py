@@ -4,11 +4,11 @@ adapters, log, save.
 How a step departs from paper GRPO (each an option; `grpo.py` states the objective):
 - multi-turn episodes against an environment, with only the model's tokens trained;
 - groups without reward variance are left out of the update (and, with
-  `grpo.signal_component`, groups whose variance is partial credit alone);
+  `credit.signal_component`, groups whose variance is partial credit alone);
 - a completion that failed for the machine's sake is neither blamed nor credited;
 - optionally, a supervised warm start on demonstrations before the first step
   (`train.sft_steps`), and demonstrations guided into groups no sample solved
-  (`grpo.guidance`);
+  (`guidance.enabled`);
 - the tasks come from a curriculum that hears each group's rewards.
 The rules of credit assignment are in `credit.py`, the update in `update.py`, the
 run's state on disk in `runstate.py`, its metrics and guards in `monitor.py`.
@@ -28,12 +28,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from mlx_grpo.config import GRPOConfig, RunConfig
+from mlx_grpo.config import ControllersConfig, RunConfig
 from mlx_grpo.credit import CompletionRecord, Credit, TrainingError, assign_credit, share_record
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.device import prepare_training
 from mlx_grpo.dist import Dist
-from mlx_grpo.grpo import grpo_loss, next_beta, next_entropy_coef
+from mlx_grpo.grpo import entropy_bonus_on, grpo_loss, next_beta, next_entropy_coef
 from mlx_grpo.guidance import demonstration_starts, guide_groups
 from mlx_grpo.monitor import (
     open_trackers,
@@ -93,7 +93,7 @@ def train(
     trackers = open_trackers(run_dir, cfg, dist, say, info)
     if cfg.train.eval_every and fresh and evaluate_fn is not None:
         dist.run_on_main(lambda: run.base_eval(evaluate_fn, trackers, info))
-    loss_and_grad = loss_and_grad_of(model, cfg.grpo, loss or grpo_loss)
+    loss_and_grad = loss_and_grad_of(model, cfg, loss or grpo_loss)
     history: list[dict] = []
     # The trackers close however the loop ends (a kill is what resuming mends).
     with trackers, CtrlC(say, dist.size == 1) as ctrl_c:
@@ -118,7 +118,7 @@ def train(
 
             # Credit: advantages and the groups that train. The curriculum hears the
             # groups that started at the start.
-            credit = assign_credit(records, *_guided(shares), g, b, cfg.grpo)
+            credit = assign_credit(records, *_guided(shares), cfg)
             whole = [i for i in range(n_tasks) if not starts[i]]
             curriculum.update([tasks[i] for i in whole], credit.heard[whole].tolist())
 
@@ -169,8 +169,8 @@ def _check_settings(recipe: Recipe, cfg: RunConfig, dist: Dist, loss) -> None:
             "each rank needs at least one group"
         )
     for option, on in [
-        ("grpo.guidance", cfg.grpo.guidance),
-        ("grpo.demo_starts", cfg.grpo.demo_starts),
+        ("guidance.enabled", cfg.guidance.enabled),
+        ("guidance.demo_starts", cfg.guidance.demo_starts),
         ("train.sft_steps", cfg.train.sft_steps),
     ]:
         if on and not callable(getattr(recipe.module, "demonstrate", None)):
@@ -178,10 +178,10 @@ def _check_settings(recipe: Recipe, cfg: RunConfig, dist: Dist, loss) -> None:
                 f"{option}: recipe {recipe.name} defines no demonstrate(task) in its tasks.py"
             )
     check_ranks(cfg.train, dist)  # before the base evaluation, not after it
-    if cfg.grpo.demo_starts and not recipe.multi_turn:
-        raise TrainingError(f"grpo.demo_starts: recipe {recipe.name} is single-turn")
-    if cfg.grpo.compile and loss is not None:
-        raise TrainingError("grpo.compile compiles the GRPO loss; a custom loss runs eagerly")
+    if cfg.guidance.demo_starts and not recipe.multi_turn:
+        raise TrainingError(f"guidance.demo_starts: recipe {recipe.name} is single-turn")
+    if cfg.engine.compile and loss is not None:
+        raise TrainingError("engine.compile compiles the GRPO loss; a custom loss runs eagerly")
 
 
 def _begin(state: RunState, tokenizer, recipe: Recipe, say, info):
@@ -218,16 +218,18 @@ def _warm_start(state: RunState, tokenizer, recipe: Recipe, say, info) -> None:
 def _roll_out(model, tokenizer, recipe, tasks, mine: range, step: int, cfg: RunConfig, say, fn):
     """(rollout, share, starts): this rank's groups sampled and scored, what it shares
     with the other ranks (with guidance, the demonstrations it put in), and where each
-    task's episodes start (`grpo.demo_starts`; [] for the start)."""
+    task's episodes start (`guidance.demo_starts`; [] for the start)."""
     g = cfg.grpo.num_generations
     my_tasks = tasks[mine.start : mine.stop]
     # Each completion has its own key, so it does not depend on how many ranks share.
     keys = mx.random.split(mx.random.key(cfg.train.seed * 1_000_003 + step), len(tasks) * g)
     samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
     extra, starts = {}, [[] for _ in tasks]
-    if cfg.grpo.demo_starts:  # the same draw on every rank, and after a resume
+    if cfg.guidance.demo_starts:  # the same draw on every rank, and after a resume
         rng = np.random.default_rng([cfg.train.seed, step])
-        starts = demonstration_starts(recipe, tasks, cfg.grpo.demo_starts, rng, cfg.rollout, say)
+        starts = demonstration_starts(
+            recipe, tasks, cfg.guidance.demo_starts, rng, cfg.rollout, say
+        )
         extra["starts"] = starts[mine.start : mine.stop]
     model.eval()
     rollout = fn(model, tokenizer, recipe, my_tasks, g, cfg.rollout, samplers, **extra)
@@ -235,12 +237,12 @@ def _roll_out(model, tokenizer, recipe, tasks, mine: range, step: int, cfg: RunC
     # The text travels with every record: a step whose entropy or KL leaves its usual
     # range writes its samples too (`samples_due`), known after the update.
     share = share_record(rollout, scored, with_text=bool(cfg.train.sample_every))
-    if cfg.grpo.guidance:  # after the on-policy record: only the update sees it
+    if cfg.guidance.enabled:  # after the on-policy record: only the update sees it
         tic = time.perf_counter()
         partway = frozenset(i for i, s in enumerate(starts[mine.start : mine.stop]) if s)
         changed = guide_groups(
             recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say, partway,
-            cfg.grpo.signal_component,
+            cfg.credit.signal_component,
         )  # fmt: skip
         lo = mine.start * g
         share["guided"] = [(lo + row, reward) for row, reward in changed]
@@ -262,7 +264,7 @@ def _records(shares: list[dict], counters: Counters, say) -> list[CompletionReco
 
 def _guided(shares: list[dict]) -> tuple[list[tuple[int, float]], list[int]]:
     """(row, reward) of each demonstration guided into the batch, and the rows that
-    hold one (`grpo.guidance`)."""
+    hold one (`guidance.enabled`)."""
     guided = [(row, r) for sh in shares for row, r in sh.get("guided", ())]
     return guided, [row for sh in shares for row in sh.get("demos", ())]
 
@@ -290,7 +292,7 @@ def _update(model, optimizer, loss_and_grad, rollout, credit, mine, cfg, state, 
             model, optimizer, loss_and_grad, batch, cfg, counters, step, say, state.dist, rows, ref
         )
     seconds = time.perf_counter() - tic
-    _steer(counters, it_metrics, then, cfg.grpo)
+    _steer(counters, it_metrics, then, cfg.controllers)
     return _Update(it_metrics, delta, sync_s, seconds, mine_trained, then)
 
 
@@ -310,29 +312,31 @@ def _rank_batch(rollout: Rollout, credit: Credit, mine: range, cfg: RunConfig, t
         cfg.grpo.mask_truncated_completions,
         local,
         frozenset(r - lo for r in credit.silent if lo <= r < hi),
-        cfg.grpo.reinforce_ill_formed,
+        cfg.credit.reinforce_ill_formed,
         fold=cfg.lora.dropout == 0,
-        blame_replies=cfg.grpo.blame_replies,
+        blame_replies=cfg.credit.blame_replies,
     )
-    batch.entropy_coef, batch.beta = then
+    batch.entropy_coef, batch.beta = then  # the controllers' weights this step
+    batch.entropy_bonus = entropy_bonus_on(cfg.grpo, cfg.controllers)
+    batch.logits_chunk = cfg.engine.logits_chunk
     rows = [gi * g + j for gi in local for j in range(g)]
     return batch, ([rollout.completions[r] for r in rows], np.array(advantages)[rows])
 
 
-def _steer(counters: Counters, it_metrics: list[dict], then: tuple, grpo: GRPOConfig) -> None:
+def _steer(counters: Counters, it_metrics: list[dict], then: tuple, ctl: ControllersConfig) -> None:
     """The controllers: the entropy bonus's weight and the KL weight for the next step,
-    from this update's entropy and KL (`grpo.entropy_target`, `grpo.kl_target`)."""
+    from this update's entropy and KL (`controllers.entropy_target`, `controllers.kl_target`)."""
     entropy_coef, beta = then
     if it_metrics and "entropy" in it_metrics[-1]:  # (not from demonstrations alone)
-        counters.entropy_coef = next_entropy_coef(entropy_coef, it_metrics[-1]["entropy"], grpo)
+        counters.entropy_coef = next_entropy_coef(entropy_coef, it_metrics[-1]["entropy"], ctl)
     if it_metrics and "kl" in it_metrics[-1]:
-        counters.beta = next_beta(beta, it_metrics[-1]["kl"], grpo)
+        counters.beta = next_beta(beta, it_metrics[-1]["kl"], ctl)
 
 
 def _compile_metrics(model, loss_and_grad, cfg: RunConfig) -> dict:
     """The shapes this process compiled so far, for the update and for decoding."""
     out = {}
-    if cfg.grpo.compile:
+    if cfg.engine.compile:
         out["compile/traces"] = loss_and_grad.traces
     if (decoder := getattr(model, "_compiled_decoder", None)) is not None:
         out["compile/decode_traces"] = decoder.traces

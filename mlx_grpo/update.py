@@ -21,13 +21,14 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo.compiled import CompiledLossAndGrad
-from mlx_grpo.config import GRPOConfig, OptimizerConfig, RunConfig
+from mlx_grpo.config import EngineConfig, GRPOConfig, OptimizerConfig, RunConfig
 from mlx_grpo.credit import TrainingError, uncompared_turns, withheld_turns
 from mlx_grpo.device import Lanes, update_lanes
 from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
+    entropy_bonus_on,
     lane_pieces,
     micro_batches,
     split_guided,
@@ -38,12 +39,13 @@ from mlx_grpo.models import adapters_disabled, adapters_set
 from mlx_grpo.rollout import Rollout
 
 
-def loss_and_grad_of(model: nn.Module, grpo: GRPOConfig, loss: Callable) -> Callable:
-    """`(model, batch) -> ((loss, metrics), grads)` of `loss(model, batch, grpo)` over
-    the trainable parameters; compiled under `grpo.compile` (the GRPO loss only)."""
-    if grpo.compile:
-        return CompiledLossAndGrad(model, grpo)
-    return nn.value_and_grad(model, lambda m, batch: loss(m, batch, grpo))
+def loss_and_grad_of(model: nn.Module, cfg: RunConfig, loss: Callable) -> Callable:
+    """`(model, batch) -> ((loss, metrics), grads)` of `loss(model, batch, cfg.grpo)` over
+    the trainable parameters; compiled under `engine.compile` (the GRPO loss only)."""
+    if cfg.engine.compile:
+        bonus = entropy_bonus_on(cfg.grpo, cfg.controllers)
+        return CompiledLossAndGrad(model, cfg.grpo, cfg.engine.logits_chunk, bonus)
+    return nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
 
 
 def build_optimizer(cfg: OptimizerConfig, total_updates: int) -> optim.AdamW:
@@ -156,24 +158,25 @@ def reference_pass(
     grpo: GRPOConfig,
     reference: dict[str, mx.array] | None = None,
     lanes: Lanes | None = None,
+    engine: EngineConfig | None = None,
 ) -> None:
     """Fill in the log-probs the loss compares against: the reference policy's (the
     adapters switched off, or set to `reference`) when the KL term is on, and the
     sampling policy's when several updates reuse one rollout. Both are constants of the
-    update; they are computed micro-batch by micro-batch (`grpo.micro_batch_tokens`),
+    update; they are computed micro-batch by micro-batch (`engine.micro_batch_tokens`),
     each micro-batch's pieces side by side in `lanes`."""
-    lanes = lanes or Lanes(1)
+    lanes, engine = lanes or Lanes(1), engine or EngineConfig()
 
     def piece_logprobs(p: LossInputs) -> mx.array:
         lp, _ = completion_logprobs(
-            model, p.prompts, p.completions, grpo.logits_chunk, mask=p.mask, grad=False
+            model, p.prompts, p.completions, p.logits_chunk, mask=p.mask, grad=False
         )
         return lp
 
     def logprobs() -> mx.array:
         parts = []
         share = shares_inputs(model)
-        for piece in micro_batches(batch, grpo.micro_batch_tokens, share):
+        for piece in micro_batches(batch, engine.micro_batch_tokens, share):
             parts += lanes.map(piece_logprobs, lane_pieces(piece, lanes.n, share))
         return mx.stop_gradient(parts[0] if len(parts) == 1 else mx.concatenate(parts))
 
@@ -260,9 +263,9 @@ def update_step(
 
     `batch` is this rank's share (None when all its groups were left out: it still
     joins every exchange, with zero gradients)."""
-    lanes = update_lanes(cfg.grpo.update_lanes, cfg.grpo.compile)
+    lanes = update_lanes(cfg.engine.update_lanes, cfg.engine.compile)
     if batch is not None:
-        reference_pass(model, batch, cfg.grpo, reference, lanes)
+        reference_pass(model, batch, cfg.grpo, reference, lanes, cfg.engine)
     if dist.size > 1:
         # Every rank divides by the whole batch's counts (see grpo.aggregate).
         tokens = dist.all_sum(batch.mask.sum() if batch is not None else mx.array(0.0)).item()
@@ -280,7 +283,7 @@ def update_step(
             batch,
             dist,
             cfg.optimizer.max_grad_norm,
-            cfg.grpo.micro_batch_tokens,
+            cfg.engine.micro_batch_tokens,
             lanes,
         )
         sync_s += exchange_s

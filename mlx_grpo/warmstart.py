@@ -147,7 +147,7 @@ def warm_start(
     optimizer = optim.AdamW(
         learning_rate=tc.sft_learning_rate, weight_decay=cfg.optimizer.weight_decay
     )
-    loss_and_grad = nn.value_and_grad(model, lambda m, b: sft_loss(m, b, cfg.grpo.logits_chunk))
+    loss_and_grad = nn.value_and_grad(model, lambda m, b: sft_loss(m, b, cfg.engine.logits_chunk))
     max_new = cfg.rollout.max_new_tokens * cfg.rollout.max_turns
     order = np.concatenate(
         [
@@ -175,7 +175,7 @@ def warm_start(
         batch.total_tokens = float(sum(comps[r].model_tokens for r in rows))  # all ranks'
         loss, _, grads, grad_norm, _ = policy_gradient(
             model, loss_and_grad, batch, dist, cfg.optimizer.max_grad_norm,
-            cfg.grpo.micro_batch_tokens,
+            cfg.engine.micro_batch_tokens,
         )  # fmt: skip
         if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
             raise TrainingError(

@@ -1,4 +1,4 @@
-"""The compiled update (`grpo.compile`) against the eager one: same loss, metrics and
+"""The compiled update (`engine.compile`) against the eager one: same loss, metrics and
 gradients within float32 rounding, and a bounded number of compiled shapes."""
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_padding_rule():
 
 
 def test_a_compiled_run_trains_like_the_eager_run(tiny_model_dir, tmp_path):
-    """`--grpo.compile=true` on the toy recipe: the first step (same rollout) has the eager
+    """`--engine.compile=true` on the toy recipe: the first step (same rollout) has the eager
     step's loss, gradient norm and metrics, and the run logs its compiled shapes."""
     import json
     from pathlib import Path
@@ -187,7 +187,7 @@ def test_a_compiled_run_trains_like_the_eager_run(tiny_model_dir, tmp_path):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines]
 
-    eager, compiled = run("eager"), run("compiled", "--grpo.compile=true")
+    eager, compiled = run("eager"), run("compiled", "--engine.compile=true")
     n = tiny_additions(json.loads((tiny_model_dir / "config.json").read_text()))
     first, want = compiled[0], eager[0]
     for k in ("grad_norm", "entropy", "reward/mean"):

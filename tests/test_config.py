@@ -55,12 +55,18 @@ def test_layers_apply_in_order(tmp_path):
         (["--nosuch.field=1"], "unknown field 'nosuch'"),
         (["--grpo.scale_rewards=std"], "grpo.scale_rewards"),
         (["--grpo.epsilon=0.3", "--grpo.epsilon_high=0.1"], "grpo.epsilon_high"),
-        (["--grpo.beta=0", "--grpo.kl_target=0.1"], "grpo.kl_target needs grpo.beta > 0"),
-        (["--grpo.kl_target=0"], "grpo.kl_target"),
+        (
+            ["--grpo.beta=0", "--controllers.kl_target=0.1"],
+            "controllers.kl_target needs grpo.beta > 0",
+        ),
+        (["--controllers.kl_target=0"], "controllers.kl_target"),
         (['--recipe.params={"levels": [1, 2}'], "--recipe.params: not valid JSON (Expecting"),
         (
-            ['--recipe.weights={"success": 1.0, "format": 0.2}', "--grpo.signal_component=sucess"],
-            "grpo.signal_component: 'sucess' is not one of the recipe's reward components "
+            [
+                '--recipe.weights={"success": 1.0, "format": 0.2}',
+                "--credit.signal_component=sucess",
+            ],
+            "credit.signal_component: 'sucess' is not one of the recipe's reward components "
             "(success, format)",
         ),
     ],
@@ -70,6 +76,22 @@ def test_bad_values_are_one_line_naming_the_field(args, needle):
         build_config(None, None, parse_overrides(args))
     msg = str(e.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_fields_that_moved_section_read_from_old_files_and_name_their_place_on_flags(tmp_path):
+    """A run folder's config.json from before the sections (the first layer) reads as it
+    was meant; a flag or a --config file with an old name is one line naming the new."""
+    old = {"grpo": {"beta": 0.1, "guidance": True, "guidance_advantage": "demonstration"}}
+    old["grpo"] |= {"kl_target": 0.2, "logits_chunk": 1 << 20, "signal_component": None}
+    cfg = build_config(old)
+    assert cfg.grpo.beta == 0.1 and cfg.guidance.enabled and cfg.controllers.kl_target == 0.2
+    assert cfg.guidance.advantage == "demonstration" and cfg.engine.logits_chunk == 1 << 20
+    with pytest.raises(ConfigError, match=r"^config: 'grpo.compile' is now 'engine.compile'$"):
+        build_config(None, None, parse_overrides(["--grpo.compile=true"]))
+    f = tmp_path / "run.toml"
+    f.write_text("[grpo]\nblame_replies = 'compared'\n")
+    with pytest.raises(ConfigError, match="'grpo.blame_replies' is now 'credit.blame_replies'"):
+        build_config(None, f, None)
 
 
 def test_bad_command_line_and_files(tmp_path):

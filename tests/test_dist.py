@@ -235,10 +235,10 @@ def test_collectives_over_two_ranks(tmp_path):
 
 
 def test_two_ranks_guide_the_groups_one_process_guides(tiny_model_dir, tmp_path):
-    """grpo.guidance under two ranks: each rank plays the demonstrations of its own
+    """guidance.enabled under two ranks: each rank plays the demonstrations of its own
     groups and reports their rows in the whole batch, so the update is one process's."""
     args = ["--recipe", str(TESTS / "data" / "toy_guided"), f"--model.path={tiny_model_dir}"]
-    args += ["--grpo.guidance=true", "--train.steps=2", "--curriculum.strategy=uniform"]
+    args += ["--guidance.enabled=true", "--train.steps=2", "--curriculum.strategy=uniform"]
     single = tmp_path / "single"
     assert cmd_train([*args, f"--output.dir={single}", "--output.run=r"]) == 0
     two = tmp_path / "two"

@@ -168,7 +168,7 @@ def test_an_ill_formed_reply_ends_a_training_episode_and_evaluation_plays_on(tin
 
 
 def test_a_reinforced_episode_leaves_its_ill_formed_replies_out_of_the_loss(tiny):
-    """grpo.reinforce_ill_formed=False: in an episode with a positive advantage, each
+    """credit.reinforce_ill_formed=False: in an episode with a positive advantage, each
     reply its environment marked ill-formed (`info["format"]` False) leaves the loss
     mask; an episode pushed down keeps all of its replies. Also from a start
     (turns played before the prompt's loss, which the mask does not hold)."""
@@ -263,7 +263,7 @@ def test_multi_turn_recipe_trains_and_logs_episode_figures(tiny_model_dir, tmp_p
         "--output.run=e",
         "--train.eval_every=3",
         "--train.eval_tasks=3",
-        "--grpo.reinforce_ill_formed=false",
+        "--credit.reinforce_ill_formed=false",
     ]
     assert cmd_train(args) == 0
     rows = [json.loads(x) for x in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
@@ -544,7 +544,7 @@ def test_episodes_that_played_alike_share_their_tail_prefill(tiny, monkeypatch, 
 def test_a_below_average_episode_keeps_only_the_replies_an_above_average_one_was_there_for(
     tiny,
 ):
-    """grpo.blame_replies="compared": a reply of an episode with a negative advantage
+    """credit.blame_replies="compared": a reply of an episode with a negative advantage
     stays in the loss only if an episode of its group with a positive advantage made the
     same earlier moves and played on from there; the reference here reads the episodes'
     actions, not their tokens. Episodes with a positive advantage keep every reply."""

@@ -457,7 +457,7 @@ def test_card_has_recipe_steps_settings_and_the_compare_table(tiny_model_dir, tm
     # A run with a warm start and an adaptive beta says so.
     cfg_file = tmp_path / "run" / "config.json"
     cfg = json.loads(cfg_file.read_text())
-    cfg["train"]["sft_steps"], cfg["grpo"]["kl_target"] = 8, 0.1
+    cfg["train"]["sft_steps"], cfg["controllers"]["kl_target"] = 8, 0.1
     cfg["grpo"]["reference"] = "start"
     cfg_file.write_text(json.dumps(cfg))
     card = model_card("peft", str(tiny_model_dir), False, read_run(tmp_path / "run"))

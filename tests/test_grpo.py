@@ -12,7 +12,7 @@ from conftest import assert_f32_close, f32_tolerance, tiny_additions
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_grpo import logprobs
-from mlx_grpo.config import GRPOConfig, LoRAConfig
+from mlx_grpo.config import ControllersConfig, GRPOConfig, LoRAConfig
 from mlx_grpo.cpu import native
 from mlx_grpo.cpu.layers import use_fast_attention, use_fast_swiglu
 from mlx_grpo.grpo import (
@@ -215,7 +215,7 @@ def test_the_kl_term_on_the_policys_own_samples_follows_the_gradient_of_its_kl(k
 @pytest.mark.parametrize("kl_loss", ["k3", "k2"])
 @pytest.mark.parametrize("as_array", [False, True])
 def test_the_batch_beta_of_an_adaptive_kl_weight_is_the_one_the_loss_uses(as_array, kl_loss):
-    """With `batch.beta` set (the controller's weight; an array under grpo.compile), the
+    """With `batch.beta` set (the controller's weight; an array under engine.compile), the
     loss and its gradient are the hand-written ones at that beta, not the config's; under
     either KL term, `loss/policy` leaves it out and `kl` is the k3 estimate."""
     rng = np.random.default_rng(3)
@@ -267,14 +267,14 @@ def test_the_batch_beta_of_an_adaptive_kl_weight_is_the_one_the_loss_uses(as_arr
 
 
 def test_kl_controller_moves_beta_toward_the_target_within_bounds():
-    cfg = GRPOConfig(beta=0.04, kl_target=0.1, kl_rate=0.5)
+    cfg = ControllersConfig(kl_target=0.1, kl_rate=0.5)
     assert next_beta(0.04, 0.11, cfg) == pytest.approx(0.04 * (1 + 0.5 * 0.1))  # up
     assert next_beta(0.04, 0.5, cfg) == pytest.approx(0.04 * (1 + 0.5 * 0.2))  # error clipped
     assert next_beta(0.04, 0.0, cfg) == pytest.approx(0.04 * (1 - 0.5 * 0.2))  # down, clipped
     assert next_beta(0.04, 0.1, cfg) == 0.04  # on target: stays
     assert next_beta(0.04, float("nan"), cfg) == 0.04  # a skipped update: stays
     assert next_beta(0.999, 9.0, cfg) == 1.0 and next_beta(1e-4, 0.0, cfg) == 1e-4  # bounds
-    assert next_beta(0.04, 9.0, GRPOConfig(beta=0.04)) == 0.04  # no target: a fixed beta
+    assert next_beta(0.04, 9.0, ControllersConfig()) == 0.04  # no target: a fixed beta
     # Driven by a policy whose KL falls as beta rises, it settles at the target from
     # either side.
     for beta in (0.001, 0.8):
@@ -1113,14 +1113,14 @@ def test_entropy_bonus_adds_the_gradient_of_the_mean_token_entropy(tiny_lp, spar
 
 
 def test_entropy_controller_moves_the_weight_toward_the_target_within_bounds():
-    cfg = GRPOConfig(entropy_coef=0.01, entropy_target=0.8, entropy_coef_rate=0.02)
+    cfg = ControllersConfig(entropy_target=0.8, entropy_coef_rate=0.02)
     assert next_entropy_coef(0.01, 0.3, cfg) == pytest.approx(0.01 + 0.02 * 0.5)  # up
     assert next_entropy_coef(0.01, 1.3, cfg) == pytest.approx(0.0)  # down, not below 0
     assert next_entropy_coef(0.01, 1.0, cfg) == pytest.approx(0.01 - 0.02 * 0.2)
     assert next_entropy_coef(0.049, 0.0, cfg) == cfg.entropy_coef_max  # capped
     assert next_entropy_coef(0.01, 0.8, cfg) == 0.01  # on target: stays
     assert next_entropy_coef(0.01, float("nan"), cfg) == 0.01  # a skipped update: stays
-    fixed = GRPOConfig(entropy_coef=0.01)
+    fixed = ControllersConfig()
     assert next_entropy_coef(0.01, 0.0, fixed) == 0.01  # no target: a fixed weight
     # Driven by a policy whose entropy answers the weight, it settles at the target.
     coef, entropy = 0.0, 0.2
@@ -1134,7 +1134,7 @@ def test_entropy_controller_moves_the_weight_toward_the_target_within_bounds():
 
 
 def test_demonstration_rows_are_reported_apart_from_the_samples(tiny):
-    """With demonstrations in the batch (grpo.guidance), `entropy` is the token mean over
+    """With demonstrations in the batch (guidance.enabled), `entropy` is the token mean over
     the sampled rows only, and `guidance/entropy` and `guidance/logp` the token means
     over the demonstration rows, each against the model's full logits through MLX's own
     softmax; `kl` and `guidance/kl` likewise, the k3 estimate from those log-probs;

@@ -139,7 +139,7 @@ def test_a_group_with_a_success_is_not_guided_though_the_demonstration_scores_mo
     rollout = rollout_tasks(model, tok, recipe, tasks, 4, CFG)
     scored = [Scored(1.0, {"success": 1.0})] + [Scored(0.0, {"success": 0.0})] * 3
     assert guide_groups(recipe, tok, tasks, rollout, list(scored), CFG) == []
-    # grpo.signal_component names what counts: here nobody scored on it.
+    # credit.signal_component names what counts: here nobody scored on it.
     guided = guide_groups(recipe, tok, tasks, rollout, list(scored), CFG, signal="finished")
     assert guided == [(3, pytest.approx(1.5))]
 
@@ -172,8 +172,8 @@ def test_guidance_needs_a_recipe_that_demonstrates(tiny_model_dir, tmp_path):
     from mlx_grpo.trainer import TrainingError
 
     capitals = Path(__file__).parent / "data" / "capitals"
-    args = ["--recipe", str(capitals), f"--model.path={tiny_model_dir}", "--grpo.guidance=true"]
-    with pytest.raises(TrainingError, match=r"^grpo.guidance: recipe .* defines no demonstrate"):
+    args = ["--recipe", str(capitals), f"--model.path={tiny_model_dir}", "--guidance.enabled=true"]
+    with pytest.raises(TrainingError, match=r"^guidance.enabled: recipe .* defines no demonstrate"):
         cmd_train([*args, f"--output.dir={tmp_path}", "--output.run=x"])
 
 
@@ -215,7 +215,7 @@ def test_guided_update_learns_the_demonstration_and_logs_on_policy_figures(
 
     recipe_dir = GUIDED
     runs = {}
-    for name, flag in [("off", []), ("on", ["--grpo.guidance=true"])]:
+    for name, flag in [("off", []), ("on", ["--guidance.enabled=true"])]:
         args = ["--recipe", str(recipe_dir), f"--model.path={tiny_model_dir}"]
         args += [f"--output.dir={tmp_path}", f"--output.run={name}", *flag]
         assert cmd_train(args) == 0
@@ -280,9 +280,9 @@ def test_guided_advantages_push_down_the_samples_only_in_group_mode(
 
     monkeypatch.setattr(trainer, "grpo_loss", recording_loss)
     args = ["--recipe", str(GUIDED), f"--model.path={tiny_model_dir}"]
-    args += [f"--output.dir={tmp_path}", "--output.run=r", "--grpo.guidance=true"]
-    args += ["--grpo.update_lanes=1"]  # one loss call an update, on the whole batch
-    assert cmd_train([*args, f"--grpo.guidance_advantage={mode}"]) == 0
+    args += [f"--output.dir={tmp_path}", "--output.run=r", "--guidance.enabled=true"]
+    args += ["--engine.update_lanes=1"]  # one loss call an update, on the whole batch
+    assert cmd_train([*args, f"--guidance.advantage={mode}"]) == 0
     g = 4  # the toy's group size
     rewards = np.zeros(g)
     rewards[-1] = 1.0  # the demonstration takes the last of the lowest samples' place
@@ -373,7 +373,7 @@ def test_demo_starts_train_on_groups_started_partway_that_the_curriculum_does_no
         return update(self, tasks, rewards)
 
     monkeypatch.setattr(LearnabilityCurriculum, "update", recording)
-    args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", "--grpo.demo_starts=1"]
+    args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", "--guidance.demo_starts=1"]
     args += [f"--output.dir={tmp_path}", "--output.run=r", "--curriculum.start_levels=3"]
     assert cmd_train(args) == 0
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]

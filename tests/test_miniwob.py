@@ -547,7 +547,7 @@ def test_pictures_show_the_page_at_each_step_with_its_action():
 
 
 def test_guidance_plays_the_script_through_the_agents_turns(tiny):
-    """grpo.guidance's demonstration of a MiniWoB task is the type's script played turn by
+    """guidance.enabled's demonstration of a MiniWoB task is the type's script played turn by
     turn through the same chat template: it succeeds where `play` does, in as many
     turns, and only its replies (each closed by EOS) are in the loss."""
     from mlx_grpo.config import build_config

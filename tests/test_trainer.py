@@ -184,7 +184,7 @@ def test_nonfinite_updates_are_skipped_then_fatal(tiny_model_dir, tmp_path, monk
 
     monkeypatch.setattr(trainer_mod, "grpo_loss", sometimes_nan)
     args = _args(tiny_model_dir, tmp_path, "n", "--train.steps=8", "--train.max_nonfinite_steps=3")
-    args.append("--grpo.update_lanes=1")  # one loss call an update, so call n is step n
+    args.append("--engine.update_lanes=1")  # one loss call an update, so call n is step n
     with pytest.raises(TrainingError, match="3 non-finite updates in a row at step 6"):
         cmd_train(args)
     rows = _metrics(tmp_path / "n")
@@ -258,12 +258,12 @@ def test_token_budget_stops_the_run_and_saves(tiny_model_dir, tmp_path, capsys):
 
 def test_zero_variance_groups_are_skipped_unless_asked(tiny_model_dir, tmp_path):
     """All rewards equal: by default no group enters the update; with
-    grpo.skip_zero_variance_groups=false every group does (TRL's behaviour)."""
+    credit.skip_zero_variance_groups=false every group does (TRL's behaviour)."""
     flat = ['--recipe.weights={"ascii": 0.0, "short": 0.0}', "--train.steps=2"]
     assert cmd_train(_args(tiny_model_dir, tmp_path, "skip", *flat)) == 0
     rows = _metrics(tmp_path / "skip")
     assert [r["groups/trained"] for r in rows] == [0, 0] and "loss/total" not in rows[0]
-    keep = [*flat, "--grpo.skip_zero_variance_groups=false"]
+    keep = [*flat, "--credit.skip_zero_variance_groups=false"]
     assert cmd_train(_args(tiny_model_dir, tmp_path, "keep", *keep)) == 0
     rows = _metrics(tmp_path / "keep")
     assert [r["groups/trained"] for r in rows] == [2, 2]
@@ -297,13 +297,13 @@ def _groups(run_dir: Path) -> tuple[dict, dict, dict]:
 
 
 def test_groups_that_never_scored_on_the_signal_component_are_left_out(tiny_model_dir, tmp_path):
-    """grpo.signal_component=blank: a group trains only when it has reward variance and
+    """credit.signal_component=blank: a group trains only when it has reward variance and
     one of its samples scored on `blank`; the others count in groups/unscored_frac, and
     the curriculum hears them as groups without variance (learnability score 0). With
     skip_zero_variance_groups=false the groups without variance train too, and those
     without `blank` still do not."""
-    opts = ["--grpo.signal_component=blank", '--recipe.weights={"blank": 0.0}']
-    for run, extra in (("gate", []), ("keep", ["--grpo.skip_zero_variance_groups=false"])):
+    opts = ["--credit.signal_component=blank", '--recipe.weights={"blank": 0.0}']
+    for run, extra in (("gate", []), ("keep", ["--credit.skip_zero_variance_groups=false"])):
         # Eight groups a step, 48 in all: both kinds of group occur whatever the draws.
         opts_run = [*opts, *extra, "--train.sample_every=1", "--train.batch_size=8"]
         args = _args(tiny_model_dir, tmp_path, run, *opts_run)
@@ -342,7 +342,7 @@ def test_a_signal_component_the_rewards_lack_is_one_line():
     from mlx_grpo.credit import CompletionRecord, unscored_groups
 
     records = [CompletionRecord(1.0, {"reward": 1.0}, None, None, False, 1, None)] * 2
-    with pytest.raises(TrainingError, match=r"^grpo.signal_component: .* no component 'succ"):
+    with pytest.raises(TrainingError, match=r"^credit.signal_component: .* no component 'succ"):
         unscored_groups(records, 2, "success")
     assert unscored_groups(records, 2, "reward").tolist() == [False]
 
@@ -367,7 +367,7 @@ def test_no_signal_warning_names_partial_credit_under_the_success_gate():
 
     cfg = RunConfig(
         recipe={"weights": {"success": 1.0, "format": 0.2}},
-        grpo={"signal_component": "success"},
+        credit={"signal_component": "success"},
         train={"zero_signal_warn_steps": 1},
     )
     rewards = np.array([0.2, 0.0, 0.2, 0.2], dtype=np.float32)  # group 0 varies, in format
@@ -985,8 +985,8 @@ def test_a_drift_after_a_level_opened_names_the_success_gate_until_it_is_on():
     weights = {"success": 1.0, "format": 0.2}
     cfg = RunConfig(recipe={"weights": weights})
     said = guard_cause("entropy", {}, hist, cfg)
-    assert "opened level 4" in said and "--grpo.signal_component=success" in said
-    cfg = RunConfig(recipe={"weights": weights}, grpo={"signal_component": "success"})
+    assert "opened level 4" in said and "--credit.signal_component=success" in said
+    cfg = RunConfig(recipe={"weights": weights}, credit={"signal_component": "success"})
     said = guard_cause("entropy", {}, hist, cfg)
     assert "opened level 4" in said and "signal_component" not in said
     said = guard_cause("entropy", {}, hist, RunConfig(recipe={"weights": {"ascii": 1.0}}))
@@ -1023,14 +1023,14 @@ def test_adaptive_kl_weight_is_logged_follows_the_controller_and_resumes(tiny_mo
     """kl/beta starts at grpo.beta, then follows next_beta on the KL of each step that
     updated (held at a target below the policy's KL, it rises); a run resumed from step
     3 carries it on to the same metrics and adapters as the uninterrupted run."""
-    from mlx_grpo.config import GRPOConfig
+    from mlx_grpo.config import ControllersConfig
     from mlx_grpo.grpo import next_beta
 
-    opts = ["--grpo.beta=0.04", "--grpo.kl_target=1e-6", "--grpo.kl_rate=1.0"]
+    opts = ["--grpo.beta=0.04", "--controllers.kl_target=1e-6", "--controllers.kl_rate=1.0"]
     opts += ["--output.save_every=1", "--output.keep_last=9"]
     assert cmd_train(_args(tiny_model_dir, tmp_path, "a", *opts)) == 0
     rows = _metrics(tmp_path / "a")
-    cfg = GRPOConfig(beta=0.04, kl_target=1e-6, kl_rate=1.0)
+    cfg = ControllersConfig(kl_target=1e-6, kl_rate=1.0)
     beta, moved = 0.04, 0
     for r in rows:
         assert r["kl/beta"] == pytest.approx(beta, rel=1e-12)
@@ -1056,14 +1056,18 @@ def test_adaptive_entropy_weight_is_logged_follows_the_controller_and_resumes(
     """entropy/coef starts at grpo.entropy_coef, then moves by rate x (target - the
     entropy of the step that updated); a run resumed from step 3 carries it on to the
     same metrics and adapters as the uninterrupted run."""
-    from mlx_grpo.config import GRPOConfig
+    from mlx_grpo.config import ControllersConfig
     from mlx_grpo.grpo import next_entropy_coef
 
-    bonus = ["--grpo.entropy_coef=0.01", "--grpo.entropy_target=9.0"]
-    bonus += ["--grpo.entropy_coef_rate=0.002", "--output.save_every=1", "--output.keep_last=9"]
+    bonus = ["--grpo.entropy_coef=0.01", "--controllers.entropy_target=9.0"]
+    bonus += [
+        "--controllers.entropy_coef_rate=0.002",
+        "--output.save_every=1",
+        "--output.keep_last=9",
+    ]
     assert cmd_train(_args(tiny_model_dir, tmp_path, "a", *bonus)) == 0
     rows = _metrics(tmp_path / "a")
-    cfg = GRPOConfig(entropy_coef=0.01, entropy_target=9.0, entropy_coef_rate=0.002)
+    cfg = ControllersConfig(entropy_target=9.0, entropy_coef_rate=0.002)
     coef = 0.01
     for r in rows:
         assert r["entropy/coef"] == pytest.approx(coef, abs=1e-9)

@@ -253,7 +253,7 @@ def test_the_warm_start_as_the_kl_reference(tiny_model_dir, tmp_path):
     def run(name: str, *extra: str) -> list[dict]:
         args = ["--recipe", str(TOY_ENV), f"--model.path={tiny_model_dir}", "--train.sft_steps=2"]
         args += [f"--output.dir={tmp_path}", f"--output.run={name}", "--grpo.beta=0.1"]
-        args += ["--grpo.skip_zero_variance_groups=false"]  # (the toy's groups often agree)
+        args += ["--credit.skip_zero_variance_groups=false"]  # (the toy's groups often agree)
         assert cmd_train(args + list(extra)) == 0
         return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 

@@ -82,13 +82,13 @@ def main(argv=None) -> int:
                     cfg.grpo.mask_truncated_completions,
                     groups,
                     frozenset(),
-                    cfg.grpo.reinforce_ill_formed,
+                    cfg.credit.reinforce_ill_formed,
                     fold=on and cfg.lora.dropout == 0,  # as the trainer folds
-                    blame_replies=cfg.grpo.blame_replies,
+                    blame_replies=cfg.credit.blame_replies,
                 )
                 update_mod.reference_pass(model, batch, cfg.grpo)
                 loss, _, grads, norm, _ = update_mod.policy_gradient(
-                    model, grad_fn, batch, Dist(), 1e9, cfg.grpo.micro_batch_tokens
+                    model, grad_fn, batch, Dist(), 1e9, cfg.engine.micro_batch_tokens
                 )
                 mx.eval(loss, grads)
                 update_s = time.perf_counter() - tic

@@ -307,7 +307,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     batch = build_loss_inputs(
         rollout, group_advantages(rewards, g), cfg.rollout.max_new_tokens, False
     )
-    lanes = update_lanes(cfg.grpo.update_lanes, cfg.grpo.compile)
+    lanes = update_lanes(cfg.engine.update_lanes, cfg.engine.compile)
     model.eval()
 
     def prefill():  # as the rollout does it: a prefix all prompts share, once
@@ -329,7 +329,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
             batch,
             Dist(),
             cfg.optimizer.max_grad_norm,
-            cfg.grpo.micro_batch_tokens,
+            cfg.engine.micro_batch_tokens,
             lanes,
         )[2]
         model.eval()

@@ -78,11 +78,11 @@ def config(
                 "num_iterations": wu.NUM_ITERATIONS,
                 "loss_type": wu.LOSS_TYPE,
                 "scale_rewards": "group",
-                # The peers update on every group, even those whose rewards are all
-                # equal; mlx-grpo by default skips them. Same work for all here.
-                "skip_zero_variance_groups": False,
-                "compile": compile,
             },
+            # The peers update on every group, even those whose rewards are all
+            # equal; mlx-grpo by default skips them. Same work for all here.
+            "credit": {"skip_zero_variance_groups": False},
+            "engine": {"compile": compile},
             "optimizer": {
                 "learning_rate": wu.LEARNING_RATE,
                 "schedule": "constant",
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=wu.MAX_NEW_TOKENS)
     p.add_argument("--model", default="default")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--compile", action="store_true", help="--grpo.compile=true")
+    p.add_argument("--compile", action="store_true", help="--engine.compile=true")
     p.add_argument(
         "--compile-decode",
         choices=["true", "false"],

@@ -16,7 +16,7 @@ MLX evaluates a graph in breadth-first order only up to a width (`MLX_BFS_MAX_WI
 20 by default), deeper than that depth-first: two lanes' graphs would then be queued
 one after the other. `widen_evaluation` widens it before MLX runs
 (`device.prepare_process`); where it is narrower (a width the user set), the update
-runs in one lane unless `grpo.update_lanes` asks for more.
+runs in one lane unless `engine.update_lanes` asks for more.
 
 Nothing here imports MLX: `widen_evaluation` runs before it is loaded.
 """

@@ -153,7 +153,7 @@ def make_env(task: Task) -> MiniWoBEnv:
 
 def demonstrate(task: Task):
     """The type's scripted policy (suite.py), for the types that have one: what
-    grpo.guidance shows the policy."""
+    guidance.enabled shows the policy."""
     name = task.payload["task"]
     return player(name) if name in SCRIPTS else None
 

@@ -115,7 +115,7 @@ def make_env(task: Task) -> WebEnv:
 
 
 def demonstrate(task: Task) -> list[str]:
-    """The shortest solution, one action a turn (what grpo.guidance shows the policy)."""
+    """The shortest solution, one action a turn (what guidance.enabled shows the policy)."""
     return task.payload["solution"]
 
 
