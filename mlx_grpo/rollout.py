@@ -1,9 +1,10 @@
 """Group rollouts: G sampled completions (or episodes) for each of B prompts, in one batch.
 
 Each prompt is prefilled once (the prefix all prompts share, once for all of them); its
-KV cache is shared by its G samples, which then
-decode together with every other prompt's samples through mlx_lm's BatchGenerator
-(one forward per new token for all B*G sequences). The sampled token ids are kept
+KV cache is shared by its G samples, which then decode together with every other
+prompt's samples (one forward per new token for all B*G sequences): through the
+compiled decoder (`mlx_grpo.decode`), or mlx_lm's BatchGenerator where that does not
+apply (`_decode`). The sampled token ids are kept
 as they are (never re-tokenised), including the stop token when there is one.
 
 Multi-turn episodes (`play_episodes`) run turn by turn: after each turn every live
@@ -21,7 +22,7 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
@@ -195,13 +196,6 @@ class KeyedSampler:
         _advance(samplers, keys)
         return tokens
 
-    @staticmethod
-    def draw_from_logits(samplers: list[KeyedSampler], logits: mx.array) -> tuple:
-        """`draw` from logits ([n, V]): (tokens, each row's entropy), by `draw_logits`."""
-        tokens, entropy, keys = samplers[0].draw_logits(_stacked_keys(samplers), logits)
-        _advance(samplers, keys)
-        return tokens, entropy
-
     def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
         """(one token per row of `logprobs`, each row's next key) at this sampler's
         settings, row i drawn from `keys[i]` ([n, 2]): the pure function under `draw`."""
@@ -256,40 +250,6 @@ def _split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
     each key splits into (next key, this draw's key)."""
     pairs = mx.vmap(mx.random.split)(keys)  # [n, 2, 2]
     return fastmath.uniform_rows(pairs[:, 1]), pairs[:, 0]
-
-
-class _GenerationBatch(GenerationBatch):
-    """mlx_lm's decode step, with rows whose samplers are all `KeyedSampler`s of one
-    setting drawn in one batched call from the logits (`KeyedSampler.draw_logits`: the
-    tokens each row's own call would give, and the entropy, from one exp over the
-    vocabulary) instead of one call per row on log-probs that mlx_lm's logsumexp (a
-    scalar exp on CPUs) normalised. Such a step's responses carry in `logprobs` the
-    entropy of the row's distribution (a 0-d array), not its log-probs: the rollout needs
-    nothing else of them, and writing them out costs a vocabulary-wide pass a token.
-    Anything else (logits processors, other samplers) takes mlx_lm's own step."""
-
-    def _step(self):
-        samplers = self.samplers or []
-        if (
-            any(self.logits_processors)
-            or not samplers
-            or not all(isinstance(s, KeyedSampler) for s in samplers)
-            or any(s.settings != samplers[0].settings for s in samplers)
-        ):
-            return super()._step()
-        self._current_tokens = self._next_tokens
-        self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        self._next_tokens, entropy = KeyedSampler.draw_from_logits(samplers, logits)
-        self._next_logprobs = list(entropy)
-        mx.async_eval(self._next_tokens, self._next_logprobs)
-        # As mlx_lm's step: the current tokens join self.tokens (what the cache holds).
-        mx.eval(inputs, self._current_logprobs)
-        inputs = inputs.tolist()
-        for sti, ti in zip(self.tokens, inputs):
-            sti.append(ti)
-        return inputs, self._current_logprobs
 
 
 class GreedySampler:
@@ -417,7 +377,14 @@ def _decode(
     for all, or a list with one per sequence. Returns (sampled ids, finish reason, the
     sequence's own cache, the entropy of each sampled id's distribution) per sequence;
     that cache holds `caches[i]`, the tail and every sampled id, so a next turn feeds
-    only what follows."""
+    only what follows.
+
+    Two paths, by what the model and samplers allow, not by speed: the compiled decoder
+    (`mlx_grpo.decode`, the default on every device) where its draws and plain KV caches
+    apply; else mlx_lm's `BatchGenerator` with each row's sampler, for any mlx_lm model,
+    sampler and cache (sliding windows, SSM state, rows with no prefix yet) and under
+    `rollout.compile_decode=false`. Both draw the same tokens for the same keys (up to
+    float32 rounding of the logits)."""
     n = len(tails)
     samplers = sampler if isinstance(sampler, list) else None
     rows = [sampler] * n if isinstance(sampler, GreedySampler) else samplers
@@ -434,7 +401,6 @@ def _decode(
         completion_batch_size=n,
         prefill_batch_size=n,
     )
-    gen._generation_batch = _GenerationBatch.empty(model, gen.sampler)  # see its doc
     try:
         # The prompt caches are merged into a batch cache: never mutated.
         uids = gen.insert(tails, caches=caches, samplers=samplers)
@@ -444,14 +410,8 @@ def _decode(
         # Each step's entropies, queued behind the next step rather than waited for.
         steps: list[tuple[list[int], mx.array]] = []
         while responses := gen.next_generated():
-            ent = [r.logprobs for r in responses]
-            # Rows from mlx_lm's own code (the draw after a prefill, other samplers)
-            # carry log-probs, the others their entropy already (see _GenerationBatch).
-            if full := [i for i, x in enumerate(ent) if x.ndim]:
-                h = fastmath.entropy(mx.stack([ent[i] for i in full]))
-                for j, i in enumerate(full):
-                    ent[i] = h[j]
-            ent = mx.stack(ent)
+            # Each response carries its row's normalised log-probs over the vocabulary.
+            ent = fastmath.entropy(mx.stack([r.logprobs for r in responses]))
             mx.async_eval(ent)
             steps.append(([r.uid for r in responses], ent))
             for r in responses:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import assert_f32_close, tiny_additions
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -255,19 +257,35 @@ def test_draw_from_logits_is_the_draw_from_log_probs_and_gives_the_entropy(temp,
     assert np.all(np.abs(np.array(got, np.float64) - want) <= bound)
 
 
-def test_decode_step_samples_the_tokens_of_mlx_lm_step(tiny, monkeypatch):
-    """The decode step with the fast normaliser and batched keyed draws samples the same
-    tokens as mlx_lm's own step for the same keys."""
-    from mlx_lm.generate import GenerationBatch
-
-    import mlx_grpo.rollout as rollout
+def test_decode_step_samples_the_tokens_of_mlx_lm_step(tiny, tiny_model_dir):
+    """The compiled decode step, with the fast normaliser and batched keyed draws from
+    the logits, samples the same tokens as mlx_lm's own step (`compile_decode=false`:
+    each row's sampler called on mlx_lm's log-probs) for the same keys, leaves the keys
+    where it leaves them, and gives the same entropies up to float32 rounding (the
+    layers' reductions, an attention row of at most the compiled cache's capacity, then
+    the sum over the vocabulary)."""
+    from mlx_grpo.decode import capacity
 
     model, tok = tiny
-    cfg = RolloutConfig(max_new_tokens=12, temperature=1.0)
     prompts = _prompts(tok)
     keys = mx.random.split(mx.random.key(8), 12)
-    fast = generate_groups(model, tok, prompts, 4, cfg, keyed_samplers(cfg, keys))
-    monkeypatch.setattr(rollout, "_GenerationBatch", GenerationBatch)
-    plain = generate_groups(model, tok, prompts, 4, cfg, keyed_samplers(cfg, keys))
+    runs = []
+    for compiled in (True, False):
+        cfg = RolloutConfig(max_new_tokens=12, temperature=1.0, compile_decode=compiled)
+        samplers = keyed_samplers(cfg, keys)
+        runs.append((generate_groups(model, tok, prompts, 4, cfg, samplers), samplers))
+    (fast, fast_keys), (plain, plain_keys) = runs
+    assert hasattr(model, "_compiled_decoder")  # the first run took the compiled path
     assert [c.tokens for c in fast.completions] == [c.tokens for c in plain.completions]
     assert len({tuple(c.tokens) for c in fast.completions}) > 6
+    assert [np.array(s.key).tolist() for s in fast_keys] == [
+        np.array(s.key).tolist() for s in plain_keys
+    ]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    longest = max(map(len, prompts)) + 12
+    assert_f32_close(
+        [h for c in fast.completions for h in c.entropies],
+        [h for c in plain.completions for h in c.entropies],
+        tiny_additions(config) + longest + capacity(longest + 1),
+        "entropies",
+    )
