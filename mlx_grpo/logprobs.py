@@ -145,7 +145,9 @@ def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list
 def _group_logprobs(
     model, head, prompt, completions, lengths, chunk_floats, vocab, mask=None, entropy_grad=False
 ):
-    """(log-probs, entropies) [G, C] of one group's completions.
+    """(log-probs, entropies) [G, C] of one group's completions: the pass on GPUs (off
+    a Linux CPU), and on one for models with plain KV caches whose attention
+    `device.adapt_model` left as mlx_lm's (architectures other than llama, qwen2, qwen3).
 
     The prompt runs once ([1, P]); its keys and values are shared (broadcast) by the
     completions, which run in length buckets, each padded only to its own longest
@@ -494,7 +496,12 @@ def _packable(model: nn.Module) -> bool:
 def _packed_logprobs(
     model, head, prompts, completions, lengths, on, chunk_floats, vocab, entropy_grad
 ):
-    """`completion_logprobs` in one packed pass (see `_Packed`)."""
+    """`completion_logprobs` in one packed pass (see `_Packed`): the pass on a Linux CPU
+    once `device.adapt_model` gave the layers the CPU's attention. Against the group
+    pass at the bench work unit's lengths (an AMD EPYC; docs/performance.md): the
+    reference pass 1.44 s against 2.03-2.05 s, the policy's forward and backward
+    4.37-4.43 s against 5.88-6.19 s; on web_browsing's long episodes, where the group
+    pass's GEMMs are large already, the same (update 135.7 s against 133.2 s)."""
     n, c = completions.shape
     g = n // len(prompts)
     comp = np.array(completions)
@@ -603,6 +610,11 @@ def completion_logprobs(
 
 
 def _full_sequence_logprobs(model, prompts, completions, g, entropy_grad=False):
+    """`completion_logprobs` of any mlx_lm model, where the other passes do not apply
+    (no output head to call on chosen positions, or caches other than plain KV: sliding
+    windows, SSM state): each row's whole sequence, prompt repeated per row, through the
+    model's own call, with logits at every position. A capability fallback, not a speed
+    choice: no shared prompt, no length buckets, and full logits in memory."""
     n, c = completions.shape
     rows = [mx.concatenate([prompts[i // g], completions[i]]) for i in range(n)]
     t = max(r.shape[0] for r in rows)
