@@ -427,6 +427,47 @@ def _full_passes(m, prompts, comp, weights, mask):
     return total
 
 
+def test_a_model_the_split_passes_cannot_take_runs_full_sequences_alike(tiny, monkeypatch):
+    """`_full_sequence_logprobs`, the pass of any mlx_lm model that the split passes
+    cannot take (sliding windows, SSM state; here the tiny llama said to be one): the
+    log-probs and entropies of the group pass, its gradients of both (an entropy bonus
+    differentiates the entropies), and the value and gradients of per-row full passes
+    through MLX's own log-softmax, within float32 rounding."""
+    model, _ = tiny
+    apply_lora(model, LoRAConfig(rank=4), seed=5)
+    _randomize_lora_b(model)
+    prompts, comp, lens = _groups(seed=3)
+    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
+    mask = mx.array((np.arange(comp.shape[1])[None] < lens[:, None]).astype(np.float32))
+
+    def weighted(m):
+        lp, ent = completion_logprobs(m, prompts, comp, entropy_grad=True)
+        return ((lp + ent) * weights * mask).sum(), (lp, ent)
+
+    (v_split, (lp_split, ent_split)), g_split = nn.value_and_grad(model, weighted)(model)
+    ran, real = [], logprobs._full_sequence_logprobs
+
+    def counted(*args, **kwargs):
+        ran.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "_splittable", lambda m: False)
+    monkeypatch.setattr(logprobs, "_full_sequence_logprobs", counted)
+    (v_full, (lp_full, ent_full)), g_full = nn.value_and_grad(model, weighted)(model)
+    assert ran
+    n = tiny_additions(vars(model.args))
+    assert_f32_close(lp_full, lp_split, n, "log-probs")
+    assert_f32_close(ent_full, ent_split, n, "entropies")
+    assert_f32_close(v_full, v_split, n, "value")
+    for (k, a), (_, b) in zip(tree_flatten(g_full), tree_flatten(g_split)):
+        assert_f32_close(a, b, n, k)
+
+    def log_probs_only(m):
+        return (completion_logprobs(m, prompts, comp)[0] * weights * mask).sum()
+
+    _assert_full_pass_value_and_gradients(model, log_probs_only, prompts, comp, weights, mask)
+
+
 def _alike_openings():
     """Two groups of four rows, some opening with an earlier row's tokens, as episodes
     of a multi-turn group that take the same first actions do: row 1 departs from row 0
