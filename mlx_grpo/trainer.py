@@ -102,7 +102,7 @@ def train(
             mx.reset_peak_memory()
             # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
             # run samples exactly what the uninterrupted run would have sampled.
-            mx.random.seed(cfg.train.seed * 1_000_003 + step)
+            mx.random.seed(step_seed(cfg, step))
             n_tasks = math.ceil(b * curriculum.oversample)
             tasks = curriculum.sample(n_tasks)  # the same on every rank
             mine = dist.share(n_tasks)
@@ -160,6 +160,13 @@ def train(
     return history
 
 
+def step_seed(cfg: RunConfig, step: int) -> int:
+    """The seed of a step's draws (the global RNG for LoRA dropout, the keys of its
+    completions): fixed by (train.seed, step), so a resumed run draws what the
+    uninterrupted one would have."""
+    return cfg.train.seed * 1_000_003 + step
+
+
 def _check_settings(recipe: Recipe, cfg: RunConfig, dist: Dist, loss) -> None:
     """Settings that the recipe, the ranks or the loss cannot serve, as one-line errors
     before anything runs."""
@@ -189,10 +196,11 @@ def _begin(state: RunState, tokenizer, recipe: Recipe, say, info):
     step 0's checkpoint, which a kill before step `output.save_every` keeps and which
     `compare --b <run>@0` measures alone. Returns the KL term's reference adapters
     (`RunState.reference`; set before step 0's checkpoint, so that a resume finds them)."""
-    if state.cfg.train.sft_steps and state.resume_from is None:  # (a step-0 resume is past it)
+    warm = state.cfg.train.sft_steps and state.resume_from is None  # (a step-0 resume is past it)
+    if warm:
         _warm_start(state, tokenizer, recipe, say, info)
     reference = state.reference()
-    if state.cfg.train.sft_steps and state.resume_from is None:
+    if warm:
         state.checkpoint(0, state.go_on)
     return reference
 
@@ -222,7 +230,7 @@ def _roll_out(model, tokenizer, recipe, tasks, mine: range, step: int, cfg: RunC
     g = cfg.grpo.num_generations
     my_tasks = tasks[mine.start : mine.stop]
     # Each completion has its own key, so it does not depend on how many ranks share.
-    keys = mx.random.split(mx.random.key(cfg.train.seed * 1_000_003 + step), len(tasks) * g)
+    keys = mx.random.split(mx.random.key(step_seed(cfg, step)), len(tasks) * g)
     samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
     extra, starts = {}, [[] for _ in tasks]
     if cfg.guidance.demo_starts:  # the same draw on every rank, and after a resume

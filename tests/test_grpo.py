@@ -387,14 +387,21 @@ def test_logprob_gradients_equal_full_passes_through_mlx_log_softmax(tiny_lp):
     assert _splittable(model)  # the shared-prompt path is the one under test
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model)
-    prompts, comp, lens = _groups(seed=5)
-    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
-    mask = mx.array((np.arange(comp.shape[1])[None] < lens[:, None]).astype(np.float32))
+    prompts, comp, weights, mask = _weighted_groups(seed=5)
 
     def shared(m):
         return (completion_logprobs(m, prompts, comp)[0] * weights * mask).sum()
 
     _assert_full_pass_value_and_gradients(model, shared, prompts, comp, weights, mask)
+
+
+def _weighted_groups(seed: int):
+    """`_groups(seed)` as (prompts, completions, per-token weights in -2..2, the mask of
+    each row's own length): what the full-pass comparisons weigh their log-probs by."""
+    prompts, comp, lens = _groups(seed=seed)
+    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
+    mask = mx.array((np.arange(comp.shape[1])[None] < lens[:, None]).astype(np.float32))
+    return prompts, comp, weights, mask
 
 
 def _assert_full_pass_value_and_gradients(model, loss, prompts, comp, weights, mask):
@@ -436,9 +443,7 @@ def test_a_model_the_split_passes_cannot_take_runs_full_sequences_alike(tiny, mo
     model, _ = tiny
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model)
-    prompts, comp, lens = _groups(seed=3)
-    weights = mx.array((np.arange(comp.size).reshape(comp.shape) % 5 - 2).astype(np.float32))
-    mask = mx.array((np.arange(comp.shape[1])[None] < lens[:, None]).astype(np.float32))
+    prompts, comp, weights, mask = _weighted_groups(seed=3)
 
     def weighted(m):
         lp, ent = completion_logprobs(m, prompts, comp, entropy_grad=True)
