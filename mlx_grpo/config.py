@@ -404,6 +404,12 @@ class CurriculumConfig(_Section):
     filter_oversample: float = Field(
         2.0, ge=1, description="'filter': groups rolled out per group kept."
     )
+    max_waves: int = Field(
+        1,
+        ge=1,
+        description="Waves of groups a step may roll out until train.batch_size have signal "
+        "(DAPO's dynamic sampling).",
+    )
 
 
 class RecipeConfig(_Section):

@@ -44,7 +44,7 @@ from mlx_grpo.monitor import (
     watch,
 )
 from mlx_grpo.recipe import Recipe
-from mlx_grpo.rollout import Rollout, keyed_samplers, rollout_tasks
+from mlx_grpo.rollout import Rollout, join_rollouts, keyed_samplers, rollout_tasks
 from mlx_grpo.runstate import Counters, CtrlC, Interrupted, RunState
 from mlx_grpo.update import build_loss_inputs, build_optimizer, loss_and_grad_of, update_step
 from mlx_grpo.warmstart import check_ranks, warm_start
@@ -82,7 +82,7 @@ def train(
     batch, and the summed gradients give every rank the same step. Rank 0 alone
     writes logs and checkpoints (and runs `evaluate_fn`).
     """
-    g, b = cfg.grpo.num_generations, cfg.train.batch_size
+    g = cfg.grpo.num_generations
     dist = dist or Dist()
     _check_settings(recipe, cfg, dist, loss)
     if not dist.is_main:  # (rank 0 speaks for the run)
@@ -103,27 +103,20 @@ def train(
             # Sampling and LoRA dropout draw from keys fixed by (seed, step), so a resumed
             # run samples exactly what the uninterrupted run would have sampled.
             mx.random.seed(step_seed(cfg, step))
-            n_tasks = math.ceil(b * curriculum.oversample)
-            tasks = curriculum.sample(n_tasks)  # the same on every rank
-            mine = dist.share(n_tasks)
-
-            # Roll out and score this rank's groups; every rank then sees every record.
-            rollout, share, starts = _roll_out(
-                model, tokenizer, recipe, tasks, mine, step, cfg, say, rollout_fn or rollout_tasks
-            )
-            tic = time.perf_counter()
-            shares = dist.gather(share)
-            gather_s = time.perf_counter() - tic
-            records = _records(shares, counters, say)
+            # Roll out and score groups in waves until `train.batch_size` of them have
+            # signal (`curriculum.max_waves`); every rank sees every group's record.
+            got = _collect(model, tokenizer, recipe, curriculum, step, cfg, dist, counters, say,
+                           rollout_fn or rollout_tasks)  # fmt: skip
+            tasks, starts, shares, records = got.tasks, got.starts, got.shares, got.records
 
             # Credit: advantages and the groups that train. The curriculum hears the
             # groups that started at the start.
             credit = assign_credit(records, *_guided(shares), cfg)
-            whole = [i for i in range(n_tasks) if not starts[i]]
+            whole = [i for i in range(len(tasks)) if not starts[i]]
             curriculum.update([tasks[i] for i in whole], credit.heard[whole].tolist())
 
             # The update (every rank joins when any group trains); the controllers.
-            upd = _update(model, optimizer, loss_and_grad, rollout, credit, mine, cfg, run,
+            upd = _update(model, optimizer, loss_and_grad, got.rollout, credit, got.mine, cfg, run,
                           step, say, reference)  # fmt: skip
 
             # Metrics, the held-out evaluation, warnings and guards, logs, checkpoint.
@@ -133,8 +126,9 @@ def train(
                 step, shares, records, credit.scored, credit.advantages, credit.zero_var,
                 upd.it_metrics, lr=float(optimizer.learning_rate), delta=upd.delta,
                 trained=len(credit.train_groups), counters=counters, update_s=upd.seconds,
-                curriculum=curriculum.metrics(), ranks=dist.size, sync_s=gather_s + upd.sync_s,
+                curriculum=curriculum.metrics(), ranks=dist.size, sync_s=got.gather_s + upd.sync_s,
             )  # fmt: skip
+            metrics.update(got.metrics())
             metrics.update(option_metrics(cfg, credit, records, shares, upd.mine, starts, upd.then))
             metrics.update(_compile_metrics(model, loss_and_grad, cfg))
             if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
@@ -223,18 +217,97 @@ def _warm_start(state: RunState, tokenizer, recipe: Recipe, say, info) -> None:
     )
 
 
-def _roll_out(model, tokenizer, recipe, tasks, mine: range, step: int, cfg: RunConfig, say, fn):
-    """(rollout, share, starts): this rank's groups sampled and scored, what it shares
-    with the other ranks (with guidance, the demonstrations it put in), and where each
-    task's episodes start (`guidance.demo_starts`; [] for the start)."""
+@dataclass
+class _Groups:
+    """A step's groups from all its waves, in the order of its records: rank by rank,
+    and within a rank wave by wave (one wave: the order the curriculum drew)."""
+
+    tasks: list
+    starts: list  # where each task's episodes start (`guidance.demo_starts`)
+    rollout: Rollout  # this rank's groups
+    shares: list[dict]  # what each rank shared (`share_record`), its waves joined
+    records: list[CompletionRecord]
+    mine: range  # this rank's groups
+    waves: int
+    signal: int  # groups with something to teach (`Credit.no_signal` False)
+    gather_s: float
+
+    def metrics(self) -> dict:
+        return {
+            "groups/rolled_out": len(self.tasks),
+            "groups/signal": self.signal,
+            "groups/waves": self.waves,
+        }
+
+
+def _collect(model, tokenizer, recipe, curriculum, step, cfg, dist, counters, say, fn) -> _Groups:
+    """Roll out and score waves of `train.batch_size x curriculum.oversample` groups until
+    `train.batch_size` of them have signal or `curriculum.max_waves` waves are out (DAPO's
+    dynamic sampling: the groups of equal rewards are replaced, not trained)."""
+    b, waves, signal, gather_s = cfg.train.batch_size, [], 0, 0.0
+    for wave in range(cfg.curriculum.max_waves):
+        n = math.ceil(b * curriculum.oversample)
+        tasks = curriculum.sample(n)  # the same on every rank
+        out = _roll_out(model, tokenizer, recipe, tasks, dist.share(n), step, wave, cfg, say, fn)
+        tic = time.perf_counter()
+        shares = dist.gather(out[1])
+        gather_s += time.perf_counter() - tic
+        records = _records(shares, counters, say)
+        signal += int((~assign_credit(records, *_guided(shares), cfg).no_signal).sum())
+        waves.append((tasks, out[2], out[0], shares))
+        if signal >= b:
+            break
+    return _join_waves(waves, dist, signal, gather_s)
+
+
+def _join_waves(waves: list[tuple], dist: Dist, signal: int, gather_s: float) -> _Groups:
+    """The waves' (tasks, starts, this rank's rollout, shares) as one batch, rank by rank."""
+    tasks, starts, shares = [], [], []
+    for rank in range(dist.size):
+        for wave_tasks, wave_starts, *_ in waves:
+            n = len(wave_tasks)
+            own = slice(rank * n // dist.size, (rank + 1) * n // dist.size)  # (`Dist.share`)
+            tasks += wave_tasks[own]
+            starts += wave_starts[own]
+        shares.append(_join_shares([w[3][rank] for w in waves]))
+    lo = sum(len(sh["records"]) for sh in shares[: dist.rank])
+    records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
+    rollout = join_rollouts([w[2] for w in waves])
+    first = lo // rollout.group_size
+    mine = range(first, first + len(rollout.prompts))
+    return _Groups(tasks, starts, rollout, shares, records, mine, len(waves), signal, gather_s)
+
+
+def _join_shares(parts: list[dict]) -> dict:
+    """One rank's shares of several waves as one: records in order, the rows of its
+    guided demonstrations shifted by the records before their wave, counts added."""
+    if len(parts) == 1:
+        return parts[0]
+    out, rows = {}, 0
+    for part in parts:
+        for key, value in part.items():
+            if key == "guided":
+                value = [(rows + row, reward) for row, reward in value]
+            elif key == "demos":
+                value = [rows + row for row in value]
+            out[key] = out[key] + value if key in out else value
+        rows += len(part["records"])
+    return out
+
+
+def _roll_out(model, tokenizer, recipe, tasks, mine: range, step, wave, cfg: RunConfig, say, fn):
+    """(rollout, share, starts): this rank's groups of a wave sampled and scored, what it
+    shares with the other ranks (with guidance, the demonstrations it put in, by its
+    own rows), and where each task's episodes start (`guidance.demo_starts`; [] for
+    the start)."""
     g = cfg.grpo.num_generations
     my_tasks = tasks[mine.start : mine.stop]
     # Each completion has its own key, so it does not depend on how many ranks share.
-    keys = mx.random.split(mx.random.key(step_seed(cfg, step)), len(tasks) * g)
+    keys = mx.random.split(_wave_key(cfg, step, wave), len(tasks) * g)
     samplers = keyed_samplers(cfg.rollout, keys[mine.start * g : mine.stop * g])
     extra, starts = {}, [[] for _ in tasks]
     if cfg.guidance.demo_starts:  # the same draw on every rank, and after a resume
-        rng = np.random.default_rng([cfg.train.seed, step])
+        rng = np.random.default_rng([cfg.train.seed, step] + ([wave] if wave else []))
         starts = demonstration_starts(
             recipe, tasks, cfg.guidance.demo_starts, rng, cfg.rollout, say
         )
@@ -252,16 +325,22 @@ def _roll_out(model, tokenizer, recipe, tasks, mine: range, step: int, cfg: RunC
             recipe, tokenizer, my_tasks, rollout, scored, cfg.rollout, say, partway,
             cfg.credit.signal_component,
         )  # fmt: skip
-        lo = mine.start * g
-        share["guided"] = [(lo + row, reward) for row, reward in changed]
-        share["demos"] = [lo + r for r, c in enumerate(rollout.completions) if c.demonstration]
+        share["guided"] = list(changed)
+        share["demos"] = [r for r, c in enumerate(rollout.completions) if c.demonstration]
         share["guidance_seconds"] = time.perf_counter() - tic
     return rollout, share, starts
 
 
+def _wave_key(cfg: RunConfig, step: int, wave: int) -> mx.array:
+    """The key a wave's completion keys are split from: fixed by (seed, step, wave), and
+    for the first wave the step's own (`step_seed`)."""
+    key = mx.random.key(step_seed(cfg, step))
+    return key if wave == 0 else mx.random.split(key, wave + 1)[wave]
+
+
 def _records(shares: list[dict], counters: Counters, say) -> list[CompletionRecord]:
-    """Every rank's records of the step, counted in the run's reward errors (said once
-    a step) and rollout tokens."""
+    """Every rank's records of a wave, counted in the run's reward errors (said once
+    a wave) and rollout tokens."""
     records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
     if errors := [r.error for r in records if r.error]:
         say(f"reward raised on {len(errors)} completion(s), scored as failures: {errors[0]}")
@@ -272,9 +351,13 @@ def _records(shares: list[dict], counters: Counters, say) -> list[CompletionReco
 
 def _guided(shares: list[dict]) -> tuple[list[tuple[int, float]], list[int]]:
     """(row, reward) of each demonstration guided into the batch, and the rows that
-    hold one (`guidance.enabled`)."""
-    guided = [(row, r) for sh in shares for row, r in sh.get("guided", ())]
-    return guided, [row for sh in shares for row in sh.get("demos", ())]
+    hold one (`guidance.enabled`); each rank shares them by its own rows."""
+    guided, demos, lo = [], [], 0
+    for sh in shares:
+        guided += [(lo + row, r) for row, r in sh.get("guided", ())]
+        demos += [lo + row for row in sh.get("demos", ())]
+        lo += len(sh["records"])
+    return guided, demos
 
 
 @dataclass

@@ -336,6 +336,85 @@ def test_groups_that_never_scored_on_the_signal_component_are_left_out(tiny_mode
         assert abs(buffer[t][3] - mean) < 1e-6
 
 
+def test_dynamic_sampling_rolls_out_waves_until_the_batch_has_signal(tiny_model_dir, tmp_path):
+    """curriculum.max_waves=4 under the `blank` gate: each step rolls out waves of
+    batch_size groups until batch_size of them have signal (variance and a sample that
+    scored on `blank`) or four waves are out, and trains at most batch_size of them.
+    Counted again from the samples, in the order they were rolled out."""
+    opts = [
+        "--credit.signal_component=blank", '--recipe.weights={"blank": 0.0}',
+        "--curriculum.strategy=uniform", "--curriculum.max_waves=4", "--train.sample_every=1",
+        "--optimizer.learning_rate=1e-4",
+    ]  # fmt: skip
+    args = _args(tiny_model_dir, tmp_path, "waves", *opts)
+    args[1] = str(_blank_toy(tmp_path / "waves"))
+    assert cmd_train(args) == 0
+    samples = [
+        json.loads(x) for x in (tmp_path / "waves" / "samples.jsonl").read_text().splitlines()
+    ]
+    b, g = 2, 4
+    for row in _metrics(tmp_path / "waves"):
+        mine = [s for s in samples if s["step"] == row["step"]]
+        groups = [mine[i : i + g] for i in range(0, len(mine), g)]
+        signal = [
+            max(x["reward"] for x in grp) > min(x["reward"] for x in grp)
+            and any(x["components"]["blank"] > 0 for x in grp)
+            for grp in groups
+        ]
+        found = np.cumsum(signal)[b - 1 :: b]  # after each wave
+        waves = next((w + 1 for w, n in enumerate(found) if n >= b), 4)
+        assert row["groups/waves"] == waves and row["groups/rolled_out"] == len(groups) == b * waves
+        assert row["groups/signal"] == sum(signal)
+        assert row["groups/trained"] == min(b, sum(signal))
+    rows = _metrics(tmp_path / "waves")
+    assert any(r["groups/waves"] > 1 for r in rows)  # (the refill had work)
+    assert any(r["groups/waves"] < 4 for r in rows)
+
+
+def test_waves_join_rank_by_rank():
+    """Two ranks, two waves of three groups: rank 1 owns groups 1-2 of each wave
+    (`Dist.share`), so the joined batch is rank 0's groups of both waves, then rank
+    1's; its `mine` covers its four, and a guided demonstration's own row moves by the
+    records before its wave."""
+    from types import SimpleNamespace
+
+    from mlx_grpo.rollout import Completion, Rollout
+
+    g = 2
+
+    def wave(name):
+        tasks = [f"{name}{i}" for i in range(3)]
+        shares = [
+            {"records": [_record(0.0)] * g * len(own), "tokens": 1, "seconds": 1.0,
+             "guided": [(0, 1.0)], "demos": [0]}
+            for own in ([0], [1, 2])
+        ]  # fmt: skip
+        comps = [
+            Completion(prompt_index=p, tokens=[1], text="", finish_reason="stop")
+            for p in range(2)
+            for _ in range(g)
+        ]
+        return tasks, [[] for _ in tasks], Rollout([[1], [2]], comps, g), shares
+
+    dist = SimpleNamespace(rank=1, size=2)
+    got = trainer_mod._join_waves([wave("a"), wave("b")], dist, signal=3, gather_s=0.5)
+    assert got.tasks == ["a0", "b0", "a1", "a2", "b1", "b2"]
+    assert got.mine == range(2, 6) and len(got.rollout.prompts) == 4
+    assert [c.prompt_index for c in got.rollout.completions] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [sh["tokens"] for sh in got.shares] == [2, 2]
+    guided, demos = trainer_mod._guided(got.shares)
+    assert demos == [0, 2, 4, 8] and guided == [(r, 1.0) for r in demos]
+    assert got.metrics() == {"groups/rolled_out": 6, "groups/signal": 3, "groups/waves": 2}
+
+
+def _record(reward: float) -> dict:
+    from dataclasses import asdict
+
+    from mlx_grpo.credit import CompletionRecord
+
+    return asdict(CompletionRecord(reward, {}, None, None, False, 1, None))
+
+
 def test_a_signal_component_the_rewards_lack_is_one_line():
     """(A recipe with weights has its components checked when the config loads; one
     without, whose reward is its one component, when the first rewards come in.)"""
