@@ -42,15 +42,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from mlx_grpo.config import LOGITS_CHUNK
-from mlx_grpo.grpo import (
-    LOSS_METRICS,
-    LossInputs,
-    entropy_bonus_on,
-    entropy_weight,
-    kl_weight,
-    objective,
-    turn_weights,
-)
+from mlx_grpo.grpo import LOSS_METRICS, LossInputs, objective, turn_weights
 from mlx_grpo.logprobs import (
     _head_logprobs,
     _output_head,
@@ -99,21 +91,19 @@ class CompiledLossAndGrad:
     """A drop-in for `nn.value_and_grad(model, grpo_loss)` in `policy_gradient`:
     `(model, batch) -> ((loss, metrics), grads)`, the sum of one compiled call per group.
     `traces` counts the shapes traced (each costs one compilation). `cfg` is the
-    objective (`GRPOConfig`); `entropy_bonus` says whether the run's bonus is on (None:
-    `grpo.entropy_bonus_on(cfg)`, a fixed weight).
+    objective (`GRPOConfig`).
 
     For GPUs: faster than the eager update on an H200 (1.03-1.95 s against 2.35-3.09 s
     on the work unit, one sample a cell), slower on a CPU (15.0-17.3 s against 9.4-12.3
     s, first step 66 s against 14 s); the module's docstring has the sources."""
 
-    def __init__(self, model: nn.Module, cfg, logits_chunk: int = LOGITS_CHUNK, entropy_bonus=None):
+    def __init__(self, model: nn.Module, cfg, logits_chunk: int = LOGITS_CHUNK):
         if not _splittable(model):
             raise ValueError(
                 "engine.compile needs an mlx_lm model with an output head and plain KV "
                 "caches; this model has neither, set --engine.compile=false"
             )
         self.model, self.cfg, self.chunk = model, cfg, logits_chunk
-        self.bonus = entropy_bonus_on(cfg) if entropy_bonus is None else entropy_bonus
         self.traces = 0
         self.head = _output_head(model)
         self.vocab = _vocab_size(model, self.head, mx.zeros((1, 1), mx.int32))
@@ -126,9 +116,7 @@ class CompiledLossAndGrad:
         # value_and_grad leaves its (traced) parameters in the model: they go back out.
         self._step = mx.compile(traced, inputs=model.state, outputs=model.state)
 
-    def _loss(
-        self, model, prompt, start, comp, mask, adv, old, ref, weights, guided, counts, coef, beta
-    ):
+    def _loss(self, model, prompt, start, comp, mask, adv, old, ref, weights, guided, counts):
         r, c = comp.shape
         cache = [_LeftPadded(start) for _ in model.layers]
         hidden = model.model(prompt, cache=cache)[:, -1:]  # the last prompt token is real
@@ -136,7 +124,7 @@ class CompiledLossAndGrad:
         if c > 1:
             rest = model.model(comp[:, : c - 1], cache=[pc.shared(r) for pc in cache])
             hidden = mx.concatenate([hidden, rest], axis=1)
-        lp, ent = _head_logprobs(self.head, hidden, comp, self.chunk, self.vocab, self.bonus)
+        lp, ent = _head_logprobs(self.head, hidden, comp, self.chunk, self.vocab)
         on = mask > 0
         lp, ent = mx.where(on, lp, 0.0), mx.where(on, ent, 0.0)
         batch = LossInputs(
@@ -149,9 +137,6 @@ class CompiledLossAndGrad:
             max_new_tokens=counts[2],
             total_rows=counts[0],
             total_tokens=counts[1],
-            entropy_coef=coef,
-            entropy_bonus=self.bonus,
-            beta=beta,
             guided=guided,
         )
         return objective(lp, ent, batch, self.cfg, weights=weights)
@@ -211,9 +196,7 @@ class CompiledLossAndGrad:
             if arrays is None:
                 continue
             counts = mx.array([total_rows, total_tokens, batch.max_new_tokens], mx.float32)
-            coef = mx.array(entropy_weight(batch, self.cfg), mx.float32)
-            beta = mx.array(kl_weight(batch, self.cfg), mx.float32)
-            (g_loss, g_m), g_grads = self._step(*arrays, counts, coef, beta)
+            (g_loss, g_m), g_grads = self._step(*arrays, counts)
             loss = loss + g_loss
             metrics = {k: metrics[k] + g_m[k] for k in metrics}
             grads = g_grads if grads is None else tree_map(mx.add, grads, g_grads)

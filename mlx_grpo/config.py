@@ -131,21 +131,10 @@ class GRPOConfig(_Section):
         description="KL(policy || reference) coefficient, k3 estimator; 0 skips the "
         "reference forward pass.",
     )
-    entropy_coef: float = Field(
-        0.0,
-        ge=0,
-        description="Weight of an entropy bonus (the loss subtracts it x the mean token entropy); "
-        "0: none. With entropy_target set, the starting weight.",
-    )
     reference: Literal["base", "start"] = Field(
         "base",
         description="What the KL term holds the policy near: 'base' (adapters off) or 'start' "
         "(the adapters after train.sft_steps or model.init_adapter).",
-    )
-    kl_loss: Literal["k3", "k2"] = Field(
-        "k3",
-        description="Per-token KL term of the loss: 'k3' (TRL: exp(ref - logp) - (ref - logp) "
-        "- 1) or 'k2' ((logp - ref)^2 / 2); `kl` logs k3 under both.",
     )
     epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio.")
     epsilon_high: float | None = Field(
@@ -226,34 +215,6 @@ class GuidanceConfig(_Section):
         le=1,
         description="Multi-turn: share of a step's groups that start partway through their task's "
         "demonstration (a reverse curriculum); 0: none.",
-    )
-
-
-class ControllersConfig(_Section):
-    """Controllers that steer the entropy bonus and the KL weight from step to step."""
-
-    entropy_target: float | None = Field(
-        None,
-        gt=0,
-        description="Entropy (nats per token) that an adaptive bonus holds the policy at by "
-        "moving grpo.entropy_coef each step; None: a fixed weight.",
-    )
-    entropy_coef_rate: float = Field(
-        0.01, gt=0, description="Change of the adaptive entropy weight per nat of error per step."
-    )
-    entropy_coef_max: float = Field(
-        0.05, gt=0, description="Upper bound of the adaptive entropy weight."
-    )
-    kl_target: float | None = Field(
-        None,
-        gt=0,
-        description="KL to the reference (nats per token) that an adaptive beta holds the policy "
-        "near (Ziegler et al., 2019); None: a fixed beta.",
-    )
-    kl_rate: float = Field(
-        0.5,
-        gt=0,
-        description="Gain of the adaptive beta: at most a 0.2 x kl_rate change a step.",
     )
 
 
@@ -497,7 +458,6 @@ class RunConfig(_Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     credit: CreditConfig = Field(default_factory=CreditConfig)
     guidance: GuidanceConfig = Field(default_factory=GuidanceConfig)
-    controllers: ControllersConfig = Field(default_factory=ControllersConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -522,11 +482,6 @@ class RunConfig(_Section):
             raise ValueError(
                 f"credit.signal_component: '{comp}' is not one of the recipe's reward "
                 f"components ({', '.join(self.recipe.weights)})"
-            )
-        if self.controllers.kl_target is not None and self.grpo.beta == 0:
-            raise ValueError(
-                "controllers.kl_target needs grpo.beta > 0: beta is where the adaptive weight "
-                "starts"
             )
         return self
 
@@ -637,11 +592,14 @@ def build_config(
     that starts with the file the faulty value came from (`defaults_file` names the
     first layer's: the recipe's recipe.toml, or a resumed run's config.json), else
     with `source`."""
+    first = migrate(recipe_defaults) if recipe_defaults else None
     layers = (
-        (defaults_file, migrate(recipe_defaults) if recipe_defaults else None),
+        (defaults_file, first and without_removed(first, str(defaults_file or source), True)),
         (config_file, read_toml(config_file) if config_file else None),
         (None, overrides),
     )
+    for name, layer in layers[1:]:
+        without_removed(layer or {}, str(name or source))
     data: dict = {}
     for _, layer in layers:
         if layer:
@@ -660,7 +618,6 @@ MOVED = {
     "grpo.guidance": "guidance.enabled",
     "grpo.guidance_advantage": "guidance.advantage",
     "grpo.demo_starts": "guidance.demo_starts",
-    **{f"grpo.{k}": f"controllers.{k}" for k in ControllersConfig.model_fields},
     **{f"grpo.{k}": f"engine.{k}" for k in EngineConfig.model_fields},
 }
 
@@ -680,6 +637,60 @@ def migrate(data: dict) -> dict:
             value = out[section].pop(name)
             to, field = new.split(".")
             out.setdefault(to, {})[field] = value
+    return out
+
+
+_ENTROPY_BONUS = (
+    "an entropy bonus held toward a target did worse on web_browsing than none "
+    "(docs/recipes/web_browsing-experiments.md), and no recipe used one"
+)
+_ADAPTIVE_KL = (
+    "no recipe used the adaptive KL weight and no measurement supported it; grpo.beta is fixed"
+)
+# Fields taken out (name -> (the value that did nothing, why it went)), under their old
+# grpo names too. A saved run's config.json (or a recipe.toml) that holds one at that
+# value reads without it; at another value, or on the command line or in a --config
+# file, it is a one-line error that names it (`without_removed`).
+REMOVED = {
+    "grpo.entropy_coef": (0.0, _ENTROPY_BONUS),
+    "grpo.kl_loss": ("k3", "the KL term is TRL's k3; 'k2' was never measured"),
+    **{
+        f"{section}.{name}": (value, why)
+        for section in ("controllers", "grpo")
+        for name, value, why in (
+            ("entropy_target", None, _ENTROPY_BONUS),
+            ("entropy_coef_rate", 0.01, _ENTROPY_BONUS),
+            ("entropy_coef_max", 0.05, _ENTROPY_BONUS),
+            ("kl_target", None, _ADAPTIVE_KL),
+            ("kl_rate", 0.5, _ADAPTIVE_KL),
+        )
+    },
+}
+
+
+def without_removed(data: dict, where: str, saved: bool = False) -> dict:
+    """`data` without the REMOVED fields that a saved run or recipe (`saved`) holds at
+    the value that did nothing (and without the `controllers` section they leave
+    empty); any other REMOVED field is a ConfigError that names it.
+
+    >>> without_removed({"grpo": {"beta": 0.1, "kl_loss": "k3"}, "controllers": {}}, "x", True)
+    {'grpo': {'beta': 0.1}}
+    """
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for field, (idle, why) in REMOVED.items():
+        section, name = field.split(".")
+        if not isinstance(out.get(section), dict) or name not in out[section]:
+            continue
+        value = out[section].pop(name)
+        if not saved:
+            raise ConfigError(f"{where}: '{field}' was removed: {why}")
+        if value != idle:
+            raise ConfigError(
+                f"{where}: '{field}' is {value!r} here, but it was removed: {why} (a run "
+                "that set it resumes only under the mlx-grpo that started it)"
+            )
+    if out.get("controllers") == {}:
+        del out["controllers"]
     return out
 
 

@@ -38,21 +38,14 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
   std of all rewards in the step; "none" keeps raw centred rewards (Dr. GRPO), which
   removes the up-weighting of groups that are almost all right or all wrong.
 - `beta=0.04` (default): the k3 KL to the adapter-free model; 0 skips the reference
-  pass. With `kl_target` beta is a controller's state (`next_beta`, Ziegler et al.
-  2019): it grows while the logged KL is above the target and shrinks below it.
-- `kl_loss="k3"` (default, TRL) puts KL_it above in the loss; on the policy's own
-  samples its gradient is in expectation that of the forward KL(ref || pi), which holds
-  the policy to every token the reference would sample. "k2" puts (logp - ref)^2 / 2
-  there instead, whose expected gradient is that of KL(pi || ref). `kl` is logged as k3.
+  pass. On the policy's own samples the k3 term's gradient is in expectation that of
+  the forward KL(ref || pi) (as TRL's), which holds the policy to every token the
+  reference would sample.
 - `epsilon_high` (DAPO clip-higher) widens the upper clip only.
 - `importance_sampling_level="sequence"` (GSPO, TRL's option) replaces rho_it by one
   ratio per completion, s_i = exp(mean_t log(pi_theta / pi_old)) over its loss tokens,
   clipped as a whole; with num_iterations=1, s_i = 1 and the gradient is the token
   policy gradient weighted by 1 / |o_i|. GSPO's paper clips s_i at 3e-4 / 4e-4.
-- `entropy_coef` (default 0) subtracts entropy_coef * H from the loss, H the mean token
-  entropy of the policy over the loss tokens (the logged `entropy`); with
-  `entropy_target` the weight is a controller's state (`next_entropy_coef`): it rises
-  while H is below the target and falls to 0 above it.
 - `mask_truncated_completions` drops completions that hit the length limit.
 - Log-probs are always those of the untempered model (temperature only shapes
   sampling), as in TRL.
@@ -66,7 +59,6 @@ they depart from paper GRPO (each an option in `GRPOConfig`):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -128,16 +120,6 @@ class LossInputs:
     # all ranks (None: this batch is the whole batch).
     total_rows: int | None = None
     total_tokens: float | None = None
-    # The entropy bonus's weight this step (`next_entropy_coef` moves it; None: the
-    # config's `entropy_coef`); an array under engine.compile, so that a new value does
-    # not trigger a new trace.
-    entropy_coef: float | mx.array | None = None
-    # The run's bonus is adaptive (controllers.entropy_target): the loss pays for entropy
-    # at `entropy_coef` even where the config's fixed weight is 0 (`pays_entropy`).
-    entropy_bonus: bool = False
-    # The KL weight this step (`next_beta` moves it under controllers.kl_target; None: the
-    # config's `beta`); an array under engine.compile, as `entropy_coef`.
-    beta: float | mx.array | None = None
     # [N] 1.0 on the rows that are demonstrations (guidance.enabled), not the policy's own
     # samples: the metrics report them apart (`GUIDED_PARTS`).
     guided: mx.array | None = None
@@ -279,13 +261,11 @@ def per_token_loss(
     beta: float,
     mask: mx.array | None = None,
     level: str = "token",
-    kl_loss: str = "k3",
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """Clipped surrogate + beta * KL per token: (loss, kl, clipped, ratio).
 
-    `kl` is always the k3 estimate of KL(policy || reference), the logged value. The
-    loss adds beta x that (`kl_loss="k3"`) or beta x k2 = beta x (logp - ref)^2 / 2
-    (`"k2"`); see `GRPOConfig.kl_loss` for why their gradients differ.
+    `kl` is the k3 estimate of KL(policy || reference), the logged value and the term
+    the loss adds beta x.
 
     `loss` and `kl` are [N, C]. With `level="token"` the importance ratio is per token
     and `clipped` and `ratio` are [N, C]; with `level="sequence"` (GSPO) one ratio per
@@ -306,24 +286,13 @@ def per_token_loss(
     clipped = mx.clip(ratio, 1 - epsilon, 1 + epsilon_high) * adv
     loss = mx.broadcast_to(-mx.minimum(unclipped, clipped), logp.shape)
     is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
-    # An array beta (the adaptive weight, under engine.compile) is > 0 by construction.
-    if ref_logp is not None and (isinstance(beta, mx.array) or beta > 0):
+    if ref_logp is not None and beta > 0:
         d = ref_logp - logp
         kl = mx.exp(d) - d - 1
-        loss = loss + beta * kl_penalty(kl, d, kl_loss)
+        loss = loss + beta * kl
     else:
         kl = mx.zeros_like(logp)
     return loss, kl, is_clipped, ratio
-
-
-def kl_penalty(k3: mx.array, d: mx.array, kl_loss: str) -> mx.array:
-    """The per-token KL term the loss adds (times beta), given the k3 estimate and
-    d = ref_logp - logp: k3 itself, or k2 = d^2 / 2."""
-    if kl_loss == "k3":
-        return k3
-    if kl_loss == "k2":
-        return 0.5 * mx.square(d)
-    raise ValueError(f"kl_loss must be k3|k2, got {kl_loss!r}")
 
 
 def aggregate(
@@ -412,8 +381,6 @@ def grpo_loss(model: nn.Module, batch: LossInputs, cfg) -> tuple[mx.array, dict[
         batch.completions,
         batch.logits_chunk,
         mask=batch.mask,
-        # At weight 0 (the controller above its target) the entropy's backward is waste.
-        entropy_grad=pays_entropy(batch, cfg) and entropy_weight(batch, cfg) != 0,
     )
     return objective(logp, entropy, batch, cfg)
 
@@ -434,25 +401,12 @@ def objective(
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     mask, tokens = batch.mask, batch.total_tokens
     level = cfg.importance_sampling_level
-    beta = kl_weight(batch, cfg)
-    kl_loss = cfg.kl_loss
+    beta = cfg.beta
     tok_loss, kl, clipped, ratio = per_token_loss(
-        logp,
-        old,
-        batch.ref_logprobs,
-        batch.advantages,
-        cfg.epsilon,
-        eps_hi,
-        beta,
-        mask,
-        level,
-        kl_loss,
+        logp, old, batch.ref_logprobs, batch.advantages, cfg.epsilon, eps_hi, beta, mask, level
     )
     counts = (cfg.loss_type, batch.max_new_tokens, batch.total_rows, tokens, weights)
     loss = aggregate(tok_loss, mask, *counts)
-    penalty = kl
-    if batch.ref_logprobs is not None and kl_loss != "k3":
-        penalty = kl_penalty(kl, batch.ref_logprobs - logp, kl_loss)
     if level == "sequence":  # one ratio per completion: means over completions, as TRL's
         rows = mask.shape[0] if batch.total_rows is None else batch.total_rows
         w = mask.max(axis=1, keepdims=True)  # a row's weight (1, k for alike rows, 0)
@@ -464,15 +418,12 @@ def objective(
     else:
         clip_frac = masked_mean(clipped.astype(mx.float32), mask, tokens)
         ratio_mean = masked_mean(ratio, mask, tokens)
-    mean_entropy = masked_mean(entropy, mask, tokens)
-    if pays_entropy(batch, cfg):  # the entropies carry a gradient (completion_logprobs)
-        loss = loss - entropy_weight(batch, cfg) * mean_entropy
     metrics = {
-        "loss/policy": aggregate(tok_loss - beta * penalty, mask, *counts),
+        "loss/policy": aggregate(tok_loss - beta * kl, mask, *counts),
         "kl": masked_mean(kl, mask, tokens),
         "clip/frac": clip_frac,
         "ratio/mean": ratio_mean,
-        "entropy": mean_entropy,
+        "entropy": masked_mean(entropy, mask, tokens),
     }
     count = tokens if tokens is not None else mask.sum()
     demo = mask * (0.0 if batch.guided is None else batch.guided[:, None])
@@ -531,69 +482,3 @@ def split_reinforced(metrics: dict) -> dict:
     if frac > 0:
         out["entropy/reinforced"] = metrics["reinforced/entropy_frac"] / frac
     return out
-
-
-def entropy_bonus_on(cfg, controllers=None) -> bool:
-    """Whether a run's loss has an entropy bonus: a fixed weight (`grpo.entropy_coef`),
-    or an adaptive one from any start (`controllers.entropy_target`)."""
-    return cfg.entropy_coef > 0 or getattr(controllers, "entropy_target", None) is not None
-
-
-def pays_entropy(batch: LossInputs, cfg) -> bool:
-    """Whether `batch`'s loss has the entropy bonus: the config's fixed weight, or an
-    adaptive one its run turned on (`LossInputs.entropy_bonus`)."""
-    return cfg.entropy_coef > 0 or batch.entropy_bonus
-
-
-def entropy_weight(batch: LossInputs, cfg) -> float | mx.array:
-    """The entropy bonus's weight for `batch`: its own, else the config's."""
-    return cfg.entropy_coef if batch.entropy_coef is None else batch.entropy_coef
-
-
-def next_entropy_coef(coef: float, entropy: float, cfg) -> float:
-    """The entropy bonus's weight for the next step, after a step whose policy had mean
-    token `entropy` (`cfg`: the controllers section): unchanged without
-    `cfg.entropy_target`, else an integral controller
-    (as SAC tunes its temperature, on the weight itself so that it can reach 0) that
-    moves it by `entropy_coef_rate` per nat below the target, within
-    [0, entropy_coef_max].
-
-    >>> from types import SimpleNamespace as C
-    >>> cfg = C(entropy_target=0.8, entropy_coef_rate=0.01, entropy_coef_max=0.05)
-    >>> round(next_entropy_coef(0.01, 0.3, cfg), 6), next_entropy_coef(0.002, 1.5, cfg)
-    (0.015, 0.0)
-    """
-    if cfg.entropy_target is None or not math.isfinite(entropy):
-        return coef
-    coef += cfg.entropy_coef_rate * (cfg.entropy_target - entropy)
-    return min(max(coef, 0.0), cfg.entropy_coef_max)
-
-
-# Where the adaptive KL weight stays (controllers.kl_target): above 0, so that the reference
-# pass it needs keeps running, and at most 1, where the KL term outweighs any advantage.
-BETA_RANGE = (1e-4, 1.0)
-# Ziegler et al. (2019) clip the controller's error to +-0.2, so that one noisy step
-# moves beta by at most 0.2 x kl_rate.
-KL_ERROR_CLIP = 0.2
-
-
-def kl_weight(batch: LossInputs, cfg) -> float | mx.array:
-    """The KL term's weight for `batch`: its own (the adaptive beta), else the config's."""
-    return cfg.beta if batch.beta is None else batch.beta
-
-
-def next_beta(beta: float, kl: float, cfg) -> float:
-    """The KL weight for the next step, after a step whose mean token KL to the
-    reference was `kl` (`cfg`: the controllers section): unchanged without `cfg.kl_target`, else Ziegler et al. (2019)'s
-    proportional controller, beta x (1 + kl_rate x clip(kl / kl_target - 1, +-0.2)),
-    within BETA_RANGE.
-
-    >>> from types import SimpleNamespace as C
-    >>> cfg = C(kl_target=0.1, kl_rate=0.5)
-    >>> round(next_beta(0.04, 0.3, cfg), 6), round(next_beta(0.04, 0.09, cfg), 6)
-    (0.044, 0.038)
-    """
-    if cfg.kl_target is None or not math.isfinite(kl):
-        return beta
-    error = min(max(kl / cfg.kl_target - 1.0, -KL_ERROR_CLIP), KL_ERROR_CLIP)
-    return min(max(beta * (1.0 + cfg.kl_rate * error), BETA_RANGE[0]), BETA_RANGE[1])

@@ -43,12 +43,10 @@ def _output_head(model: nn.Module):
     return None
 
 
-def _logprobs_of(
-    logits: mx.array, targets: mx.array, entropy_grad: bool = False
-) -> tuple[mx.array, mx.array]:
+def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
     """(log p(target), entropy) per position from [..., V] logits, in float32. The
-    entropy is a constant of the gradient unless `entropy_grad` (an entropy bonus in the
-    loss): its backward pass is vocabulary-wide work that is otherwise wasted.
+    entropy is a constant of the gradient (only logged): its backward pass would be
+    vocabulary-wide work for nothing.
 
     One `exp` over the vocabulary serves the normaliser, the entropy and (through the
     saved output of `exp`) the backward pass: on CPUs a vocabulary-wide exp costs more
@@ -61,7 +59,7 @@ def _logprobs_of(
     log_total = mx.log(total)
     picked = mx.take_along_axis(shifted, mx.stop_gradient(targets)[..., None], axis=-1)
     entropy = log_total - fastmath.row_sum(e * shifted) / total
-    return picked.squeeze(-1) - log_total, entropy if entropy_grad else mx.stop_gradient(entropy)
+    return picked.squeeze(-1) - log_total, mx.stop_gradient(entropy)
 
 
 class _PrefixCache:
@@ -143,7 +141,7 @@ def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list
 
 
 def _group_logprobs(
-    model, head, prompt, completions, lengths, chunk_floats, vocab, mask=None, entropy_grad=False
+    model, head, prompt, completions, lengths, chunk_floats, vocab, mask=None, grad=True
 ):
     """(log-probs, entropies) [G, C] of one group's completions: the pass on GPUs (off
     a Linux CPU), and on one for models with plain KV caches whose attention
@@ -171,11 +169,9 @@ def _group_logprobs(
             first = mx.concatenate([first, h], axis=1)
         on = None if mask is None else mask[bucket, :cb]
         if on is not None and on.mean() < SPARSE_HEAD_SHARE:
-            lp, ent = _head_logprobs_at(
-                head, first, tokens[:, :cb], on, chunk_floats, vocab, entropy_grad
-            )
+            lp, ent = _head_logprobs_at(head, first, tokens[:, :cb], on, chunk_floats, vocab, grad)
         else:
-            lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab, entropy_grad)
+            lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab, grad)
         if cb < c:
             lp, ent = mx.pad(lp, [(0, 0), (0, c - cb)]), mx.pad(ent, [(0, 0), (0, c - cb)])
         parts.append((lp, ent))
@@ -192,10 +188,10 @@ def _group_logprobs(
     return lp, ent
 
 
-def _head_logprobs(head, hidden, targets, chunk_floats, vocab, entropy_grad=False):
+def _head_logprobs(head, hidden, targets, chunk_floats, vocab, grad=True):
     """Log-probs and entropies from hidden states, in row chunks of at most
-    `chunk_floats` logits. `entropy_grad`: True where both carry a gradient, False
-    where the log-probs alone do, None where no gradient is taken (the forward alone).
+    `chunk_floats` logits. `grad`: whether a gradient is taken through the log-probs
+    (the entropies never carry one); False: the forward alone.
 
     For the log-probs' gradient alone, through a frozen head (`_frozen_head_weight`),
     each chunk also computes, while its softmax p is at hand, the gradient of each
@@ -205,7 +201,7 @@ def _head_logprobs(head, hidden, targets, chunk_floats, vocab, entropy_grad=Fals
     are recomputed in the backward pass (`mx.checkpoint`), which repeats the head's
     matmul and its vocabulary-wide elementwise work."""
     n, c = targets.shape
-    weight = _frozen_head_weight(head) if entropy_grad is False else None
+    weight = _frozen_head_weight(head) if grad else None
     if weight is not None:
         h, y = hidden.reshape(n * c, -1), targets.reshape(-1)
         fused = lambda h, y: _head_chunk(weight, h, y)[:2]  # noqa: E731
@@ -213,10 +209,10 @@ def _head_logprobs(head, hidden, targets, chunk_floats, vocab, entropy_grad=Fals
         return lp.reshape(n, c), mx.stop_gradient(ent).reshape(n, c)
 
     def chunk(h, y):
-        return _logprobs_of(head(h), y, bool(entropy_grad))
+        return _logprobs_of(head(h), y)
 
     rows = max(1, chunk_floats // max(1, c * vocab))
-    if rows < n and entropy_grad is not None:
+    if rows < n and grad:
         # the head's own trainable parameters pass in, or they would get no gradient
         chunk = nn.utils.checkpoint(getattr(head, "__self__", head), chunk)
     return _in_turn(chunk, hidden, targets, rows)
@@ -282,7 +278,7 @@ def _head_chunk_vjp(primals, cotangents, outputs):
 SPARSE_HEAD_SHARE = 0.5
 
 
-def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, entropy_grad=False):
+def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, grad=True):
     """_head_logprobs at the positions where `on` ([n, c] numpy bool) is set, 0 elsewhere:
     the hidden states there are gathered into one [M, 1] batch, and the results are
     gathered back (the backward pass scatters their gradients to the same positions)."""
@@ -293,7 +289,7 @@ def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, entropy_gr
     pick = mx.array(flat)
     h = hidden.reshape(n * c, -1)[pick][:, None]
     y = targets.reshape(-1)[pick][:, None]
-    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, entropy_grad)
+    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, grad)
     return _placed(lp[:, 0], flat, (n, c)), _placed(ent[:, 0], flat, (n, c))
 
 
@@ -493,9 +489,7 @@ def _packable(model: nn.Module) -> bool:
     return packs_rows(model)
 
 
-def _packed_logprobs(
-    model, head, prompts, completions, lengths, on, chunk_floats, vocab, entropy_grad
-):
+def _packed_logprobs(model, head, prompts, completions, lengths, on, chunk_floats, vocab, grad):
     """`completion_logprobs` in one packed pass (see `_Packed`): the pass on a Linux CPU
     once `device.adapt_model` gave the layers the CPU's attention. Against the group
     pass at the bench work unit's lengths (an AMD EPYC; docs/performance.md): the
@@ -529,7 +523,7 @@ def _packed_logprobs(
     hidden = model.model(x, cache=[layout] * len(model.layers))
     h = hidden[mx.array(source)]  # [m, 1, d]
     y = completions.reshape(-1)[mx.array(flat)][:, None]
-    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, entropy_grad)
+    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, grad)
     return _placed(lp[:, 0], flat, (n, c)), _placed(ent[:, 0], flat, (n, c))
 
 
@@ -548,7 +542,6 @@ def completion_logprobs(
     chunk_floats: int = 1 << 25,
     lengths: list[int] | None = None,
     mask: mx.array | None = None,
-    entropy_grad: bool = False,
     grad: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Log-probs and entropies of the completion tokens, [N, C] each.
@@ -564,9 +557,9 @@ def completion_logprobs(
     With `mask` ([N, C], the loss mask), the lengths come from it, and logits are
     computed only on the mask (log-probs and entropies off it are 0): always in the
     packed pass, and in the per-group pass where the mask is sparse (the environment's
-    tokens of a multi-turn episode). The entropies carry a gradient only with
-    `entropy_grad`. Without `grad` (a pass no gradient is taken through: the reference
-    pass), the output head does only its forward work.
+    tokens of a multi-turn episode). The entropies carry no gradient. Without `grad` (a
+    pass no gradient is taken through: the reference pass), the output head does only
+    its forward work.
     """
     n, c = completions.shape
     g = n // len(prompts)
@@ -574,7 +567,7 @@ def completion_logprobs(
         raise ValueError(f"{n} completions do not split into {len(prompts)} groups")
 
     if not _splittable(model):  # any other architecture: full sequences, full logits
-        return _full_sequence_logprobs(model, prompts, completions, g, entropy_grad)
+        return _full_sequence_logprobs(model, prompts, completions, g)
 
     head = _output_head(model)
     on = None if mask is None else np.array(mask) > 0
@@ -582,10 +575,9 @@ def completion_logprobs(
         lengths = [c] * n if mask is None else effective_lengths(mask)
     lengths = [min(int(x), c) for x in lengths]
     vocab = _vocab_size(model, head, completions)
-    wanted = entropy_grad if grad else None  # what `_head_logprobs` differentiates
     if _packable(model):
         return _packed_logprobs(
-            model, head, prompts, completions, lengths, on, chunk_floats, vocab, wanted
+            model, head, prompts, completions, lengths, on, chunk_floats, vocab, grad
         )
     parts = [
         _group_logprobs(
@@ -597,7 +589,7 @@ def completion_logprobs(
             chunk_floats,
             vocab,
             None if on is None else on[b * g : (b + 1) * g],
-            wanted,
+            grad,
         )
         for b, p in enumerate(prompts)
     ]
@@ -609,7 +601,7 @@ def completion_logprobs(
     )
 
 
-def _full_sequence_logprobs(model, prompts, completions, g, entropy_grad=False):
+def _full_sequence_logprobs(model, prompts, completions, g):
     """`completion_logprobs` of any mlx_lm model, where the other passes do not apply
     (no output head to call on chosen positions, or caches other than plain KV: sliding
     windows, SSM state): each row's whole sequence, prompt repeated per row, through the
@@ -622,7 +614,7 @@ def _full_sequence_logprobs(model, prompts, completions, g, entropy_grad=False):
     starts = mx.array([prompts[i // g].shape[0] - 1 for i in range(n)])
     pos = starts[:, None] + mx.arange(c)[None, :]
     logits = mx.take_along_axis(model(tokens), pos[..., None], axis=1)
-    return _logprobs_of(logits, completions, entropy_grad)
+    return _logprobs_of(logits, completions)
 
 
 def _vocab_size(model: nn.Module, head, completions: mx.array) -> int:

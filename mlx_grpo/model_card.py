@@ -97,12 +97,7 @@ def _settings_table(run: Run) -> str:
         ("LoRA modules", c.lora.keys or "every linear layer"),
         ("loss aggregation", c.grpo.loss_type),
         ("advantage scaling", c.grpo.scale_rewards),
-        (
-            "KL coefficient beta (k3)",
-            c.grpo.beta
-            if c.controllers.kl_target is None
-            else f"{c.grpo.beta:g} at the start, adaptive (KL target {c.controllers.kl_target:g})",
-        ),
+        ("KL coefficient beta (k3)", c.grpo.beta),
         (
             "KL reference",
             "the adapters the GRPO steps started from (after the warm start or the initial adapter)"

@@ -14,7 +14,6 @@ import numpy as np
 
 from mlx_grpo.config import RunConfig
 from mlx_grpo.credit import CompletionRecord, Credit, uncompared_turns
-from mlx_grpo.grpo import entropy_bonus_on
 from mlx_grpo.procmem import descendants_bytes
 from mlx_grpo.recipe import Task
 from mlx_grpo.runstate import Counters
@@ -157,11 +156,6 @@ def guard_key(metric: str) -> str:
 
 
 def guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
-    if key.startswith("entropy") and entropy_bonus_on(cfg.grpo, cfg.controllers):
-        return (
-            "the loss pays for entropy (grpo.entropy_coef / entropy_target): lower "
-            "--controllers.entropy_target or --controllers.entropy_coef_max, or turn the bonus off"
-        )
     taught = ratios.get("entropy/reinforced")
     if key == "entropy" and taught is not None and taught <= GUARD_FACTOR:
         return (
@@ -188,14 +182,8 @@ def guard_cause(key: str, ratios: dict, hist: dict, cfg: RunConfig) -> str:
             "lower learning rate"
         )
     if key == "kl":
-        if cfg.controllers.kl_target is not None:
-            return (
-                "the policy is moving away faster than the adaptive beta follows: raise "
-                "--controllers.kl_rate or lower --controllers.kl_target or --optimizer.learning_rate"
-            )
         return (
-            "the policy is moving away fast: lower --optimizer.learning_rate, raise "
-            "--grpo.beta, or let a controller hold it near a target (--controllers.kl_target)"
+            "the policy is moving away fast: lower --optimizer.learning_rate or raise --grpo.beta"
         )
     return "the updates are too large for this signal: lower --optimizer.learning_rate"
 
@@ -298,12 +286,10 @@ def option_metrics(
     shares: list[dict],
     local_batch: tuple | None,
     starts: list,
-    counters_then: tuple,
 ) -> dict:
     """The metrics of the options a run has on: what credit assignment left out of the
-    loss, guidance, demonstration starts and the controllers' weights this step's
-    update used (`counters_then`: entropy_coef, beta). `starts[i]`: where group i's
-    episodes started (`guidance.demo_starts`; empty for the start)."""
+    loss, guidance and demonstration starts. `starts[i]`: where group i's episodes
+    started (`guidance.demo_starts`; empty for the start)."""
     g, out = cfg.grpo.num_generations, {}
     partway = [i for i, s in enumerate(starts) if s]
     multi_turn = records[0].turns is not None
@@ -332,9 +318,4 @@ def option_metrics(
     if cfg.guidance.enabled:
         out["guidance/groups"] = len(credit.guided_groups)
         out["time/guidance_s"] = max(sh["guidance_seconds"] for sh in shares)
-    entropy_coef, beta = counters_then
-    if entropy_bonus_on(cfg.grpo, cfg.controllers):
-        out["entropy/coef"] = entropy_coef  # the weight this step's update used
-    if cfg.controllers.kl_target is not None:
-        out["kl/beta"] = beta  # the KL weight this step's update used
     return out

@@ -64,10 +64,6 @@ class RunState:
         )  # fmt: skip
         # (a resume's once its checkpoint has loaded: one that fails changes nothing)
         dist.run_on_main(lambda: self.folder.write_config(cfg))
-        if self.counters.entropy_coef is None:  # a new run, or one from before the option
-            self.counters.entropy_coef = cfg.grpo.entropy_coef
-        if self.counters.beta is None or cfg.controllers.kl_target is None:  # or a fixed beta
-            self.counters.beta = cfg.grpo.beta
 
     def base_eval(self, evaluate_fn, trackers, info) -> None:
         """The base model's held-out figures (rank 0): where the curves in eval.jsonl
@@ -175,8 +171,18 @@ class Counters:
     # What the guards compare each step with: the values of the steps that updated.
     history: dict[str, list[float]] = field(default_factory=dict)
     guard_streak: dict[str, int] = field(default_factory=dict)
-    entropy_coef: float | None = None  # the adaptive entropy bonus's weight (None: not begun)
-    beta: float | None = None  # the KL weight, adaptive under controllers.kl_target
+
+    @classmethod
+    def saved(cls, counters: dict) -> Counters:
+        """The counters a checkpoint's state.json holds, less those of the removed
+        controllers (`REMOVED_COUNTERS`)."""
+        return cls(**{k: v for k, v in counters.items() if k not in REMOVED_COUNTERS})
+
+
+# What a checkpoint of a run from before the entropy and KL controllers were removed
+# (config.REMOVED) holds besides: their weights, which such a run (its config checked
+# by `config.without_removed`) held at grpo.entropy_coef 0 and a fixed grpo.beta.
+REMOVED_COUNTERS = ("entropy_coef", "beta")
 
 
 def unless_full_disk(write, go_on: bool, say, what: str):
@@ -256,7 +262,7 @@ def begin(
         publish(resume_from)
 
     dist.run_on_main(mend)
-    return st.step, Counters(**st.counters)
+    return st.step, Counters.saved(st.counters)
 
 
 def start_reference(cfg: RunConfig, run: RunFolder, model, resume_from, dist: Dist):

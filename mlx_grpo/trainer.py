@@ -28,12 +28,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from mlx_grpo.config import ControllersConfig, RunConfig
+from mlx_grpo.config import RunConfig
 from mlx_grpo.credit import CompletionRecord, Credit, TrainingError, assign_credit, share_record
 from mlx_grpo.curriculum import Curriculum
 from mlx_grpo.device import prepare_training
 from mlx_grpo.dist import Dist
-from mlx_grpo.grpo import entropy_bonus_on, grpo_loss, next_beta, next_entropy_coef
+from mlx_grpo.grpo import grpo_loss
 from mlx_grpo.guidance import demonstration_starts, guide_groups
 from mlx_grpo.monitor import (
     open_trackers,
@@ -115,7 +115,7 @@ def train(
             whole = [i for i in range(len(tasks)) if not starts[i]]
             curriculum.update([tasks[i] for i in whole], credit.heard[whole].tolist())
 
-            # The update (every rank joins when any group trains); the controllers.
+            # The update (every rank joins when any group trains).
             upd = _update(model, optimizer, loss_and_grad, got.rollout, credit, got.mine, cfg, run,
                           step, say, reference)  # fmt: skip
 
@@ -129,7 +129,7 @@ def train(
                 curriculum=curriculum.metrics(), ranks=dist.size, sync_s=got.gather_s + upd.sync_s,
             )  # fmt: skip
             metrics.update(got.metrics())
-            metrics.update(option_metrics(cfg, credit, records, shares, upd.mine, starts, upd.then))
+            metrics.update(option_metrics(cfg, credit, records, shares, upd.mine, starts))
             metrics.update(_compile_metrics(model, loss_and_grad, cfg))
             if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
                 done = {"rollout_tokens": counters.rollout_tokens}
@@ -367,27 +367,24 @@ class _Update:
     sync_s: float  # seconds spent exchanging gradients
     seconds: float
     mine: tuple  # this rank's trained (completions, advantages)
-    then: tuple  # the controllers' (entropy_coef, beta) this update used
 
 
 def _update(model, optimizer, loss_and_grad, rollout, credit, mine, cfg, state, step, say, ref):
     """The step's update of the adapters on the groups that train (every rank joins, with
-    zeros if none of them is its own), then the controllers' next weights."""
+    zeros if none of them is its own)."""
     tic, counters = time.perf_counter(), state.counters
-    then = (counters.entropy_coef, counters.beta)
     it_metrics, delta, sync_s, mine_trained = [], 0.0, 0.0, None
     if credit.train_groups:
-        batch, mine_trained = _rank_batch(rollout, credit, mine, cfg, then)
+        batch, mine_trained = _rank_batch(rollout, credit, mine, cfg)
         rows = len(credit.train_groups) * cfg.grpo.num_generations
         it_metrics, delta, sync_s = update_step(
             model, optimizer, loss_and_grad, batch, cfg, counters, step, say, state.dist, rows, ref
         )
     seconds = time.perf_counter() - tic
-    _steer(counters, it_metrics, then, cfg.controllers)
-    return _Update(it_metrics, delta, sync_s, seconds, mine_trained, then)
+    return _Update(it_metrics, delta, sync_s, seconds, mine_trained)
 
 
-def _rank_batch(rollout: Rollout, credit: Credit, mine: range, cfg: RunConfig, then: tuple):
+def _rank_batch(rollout: Rollout, credit: Credit, mine: range, cfg: RunConfig):
     """(loss inputs, (completions, advantages)) of this rank's trained groups; (None,
     empty) when none of them is its own."""
     g = cfg.grpo.num_generations
@@ -407,21 +404,9 @@ def _rank_batch(rollout: Rollout, credit: Credit, mine: range, cfg: RunConfig, t
         fold=cfg.lora.dropout == 0,
         blame_replies=cfg.credit.blame_replies,
     )
-    batch.entropy_coef, batch.beta = then  # the controllers' weights this step
-    batch.entropy_bonus = entropy_bonus_on(cfg.grpo, cfg.controllers)
     batch.logits_chunk = cfg.engine.logits_chunk
     rows = [gi * g + j for gi in local for j in range(g)]
     return batch, ([rollout.completions[r] for r in rows], np.array(advantages)[rows])
-
-
-def _steer(counters: Counters, it_metrics: list[dict], then: tuple, ctl: ControllersConfig) -> None:
-    """The controllers: the entropy bonus's weight and the KL weight for the next step,
-    from this update's entropy and KL (`controllers.entropy_target`, `controllers.kl_target`)."""
-    entropy_coef, beta = then
-    if it_metrics and "entropy" in it_metrics[-1]:  # (not from demonstrations alone)
-        counters.entropy_coef = next_entropy_coef(entropy_coef, it_metrics[-1]["entropy"], ctl)
-    if it_metrics and "kl" in it_metrics[-1]:
-        counters.beta = next_beta(beta, it_metrics[-1]["kl"], ctl)
 
 
 def _compile_metrics(model, loss_and_grad, cfg: RunConfig) -> dict:

@@ -28,7 +28,6 @@ from mlx_grpo.dist import Dist
 from mlx_grpo.grpo import (
     LOSS_METRICS,
     LossInputs,
-    entropy_bonus_on,
     lane_pieces,
     micro_batches,
     split_guided,
@@ -43,8 +42,7 @@ def loss_and_grad_of(model: nn.Module, cfg: RunConfig, loss: Callable) -> Callab
     """`(model, batch) -> ((loss, metrics), grads)` of `loss(model, batch, cfg.grpo)` over
     the trainable parameters; compiled under `engine.compile` (the GRPO loss only)."""
     if cfg.engine.compile:
-        bonus = entropy_bonus_on(cfg.grpo, cfg.controllers)
-        return CompiledLossAndGrad(model, cfg.grpo, cfg.engine.logits_chunk, bonus)
+        return CompiledLossAndGrad(model, cfg.grpo, cfg.engine.logits_chunk)
     return nn.value_and_grad(model, lambda m, batch: loss(m, batch, cfg.grpo))
 
 

@@ -87,6 +87,21 @@ def write_byte_tokenizer(folder: Path) -> int:
 U32 = 2.0**-24
 
 
+# What a run's config.json held of the removed fields, at their defaults, as the version
+# before their removal wrote it (commit 403785f's config.py); with the sections before
+# `controllers`, the controllers' fields were in `grpo`.
+REMOVED_AT_DEFAULTS = {
+    "grpo": {"entropy_coef": 0.0, "kl_loss": "k3"},
+    "controllers": {
+        "entropy_target": None,
+        "entropy_coef_rate": 0.01,
+        "entropy_coef_max": 0.05,
+        "kl_target": None,
+        "kl_rate": 0.5,
+    },
+}
+
+
 def cut_back(run: Path, copy: Path, step: int) -> Path:
     """`copy`: the run folder `run` as a kill right after step `step`'s checkpoint
     leaves it (later step folders gone, `latest` at step `step`); the logs stay whole,

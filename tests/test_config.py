@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import REMOVED_AT_DEFAULTS
 
 from mlx_grpo.config import ConfigError, build_config, parse_overrides
 from mlx_grpo.recipe import recipe_defaults, recipe_dir
@@ -55,11 +56,6 @@ def test_layers_apply_in_order(tmp_path):
         (["--nosuch.field=1"], "unknown field 'nosuch'"),
         (["--grpo.scale_rewards=std"], "grpo.scale_rewards"),
         (["--grpo.epsilon=0.3", "--grpo.epsilon_high=0.1"], "grpo.epsilon_high"),
-        (
-            ["--grpo.beta=0", "--controllers.kl_target=0.1"],
-            "controllers.kl_target needs grpo.beta > 0",
-        ),
-        (["--controllers.kl_target=0"], "controllers.kl_target"),
         (['--recipe.params={"levels": [1, 2}'], "--recipe.params: not valid JSON (Expecting"),
         (
             [
@@ -82,9 +78,9 @@ def test_fields_that_moved_section_read_from_old_files_and_name_their_place_on_f
     """A run folder's config.json from before the sections (the first layer) reads as it
     was meant; a flag or a --config file with an old name is one line naming the new."""
     old = {"grpo": {"beta": 0.1, "guidance": True, "guidance_advantage": "demonstration"}}
-    old["grpo"] |= {"kl_target": 0.2, "logits_chunk": 1 << 20, "signal_component": None}
+    old["grpo"] |= {"logits_chunk": 1 << 20, "signal_component": None}
     cfg = build_config(old)
-    assert cfg.grpo.beta == 0.1 and cfg.guidance.enabled and cfg.controllers.kl_target == 0.2
+    assert cfg.grpo.beta == 0.1 and cfg.guidance.enabled and cfg.credit.signal_component is None
     assert cfg.guidance.advantage == "demonstration" and cfg.engine.logits_chunk == 1 << 20
     with pytest.raises(ConfigError, match=r"^config: 'grpo.compile' is now 'engine.compile'$"):
         build_config(None, None, parse_overrides(["--grpo.compile=true"]))
@@ -92,6 +88,92 @@ def test_fields_that_moved_section_read_from_old_files_and_name_their_place_on_f
     f.write_text("[grpo]\nblame_replies = 'compared'\n")
     with pytest.raises(ConfigError, match="'grpo.blame_replies' is now 'credit.blame_replies'"):
         build_config(None, f, None)
+
+
+def _old_config(controllers_in_grpo: bool = False) -> dict:
+    """Today's defaults as a run's config.json, plus the removed fields at theirs."""
+    from mlx_grpo.config import RunConfig
+
+    old = RunConfig().model_dump(mode="json")
+    old["grpo"] |= REMOVED_AT_DEFAULTS["grpo"]
+    if controllers_in_grpo:
+        old["grpo"] |= REMOVED_AT_DEFAULTS["controllers"]
+    else:
+        old["controllers"] = dict(REMOVED_AT_DEFAULTS["controllers"])
+    return old
+
+
+ENTROPY, KL = "did worse on web_browsing than none", "grpo.beta is fixed"
+
+
+@pytest.mark.parametrize(
+    "flag, why",
+    [
+        ("--grpo.entropy_coef=0.01", ENTROPY),
+        ("--grpo.kl_loss=k2", "'k2' was never measured"),
+        ("--grpo.kl_loss=k3", "'k2' was never measured"),
+        ("--controllers.entropy_target=0.8", ENTROPY),
+        ("--controllers.entropy_coef_rate=0.01", ENTROPY),
+        ("--controllers.entropy_coef_max=0.1", ENTROPY),
+        ("--controllers.kl_target=0.1", KL),
+        ("--controllers.kl_rate=0.5", KL),
+        ("--grpo.kl_target=0.1", KL),  # its name before the controllers section
+        ("--grpo.entropy_target=0.8", ENTROPY),
+    ],
+)
+def test_a_removed_field_on_the_command_line_or_in_a_config_file_is_one_line(flag, why, tmp_path):
+    """Given at all (at its old default too), a removed field is one line that names it
+    and says why it went."""
+    field = flag[2:].split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        build_config(recipe_defaults("arithmetic"), None, parse_overrides([flag]))
+    msg = str(e.value)
+    assert msg.startswith(f"config: '{field}' was removed: ") and "\n" not in msg, msg
+    assert why in msg, msg
+    f = tmp_path / "run.toml"
+    section, name = field.split(".")
+    f.write_text(f"[{section}]\n{name} = {json.dumps(parse_overrides([flag])[section][name])}\n")
+    with pytest.raises(
+        ConfigError, match=f"^{re.escape(str(f))}: '{re.escape(field)}' was removed"
+    ):
+        build_config(None, f, None)
+
+
+@pytest.mark.parametrize("controllers_in_grpo", [False, True])
+def test_a_saved_config_with_the_removed_fields_at_their_defaults_reads_as_todays(
+    controllers_in_grpo,
+):
+    """An old run's config.json (the first layer) holds every removed field at the value
+    that did nothing: it reads as today's defaults, the emptied `controllers` section
+    gone too."""
+    from mlx_grpo.config import RunConfig
+
+    old = _old_config(controllers_in_grpo)
+    assert build_config(old).model_dump() == RunConfig().model_dump()
+
+
+@pytest.mark.parametrize(
+    "section, name, value",
+    [
+        ("grpo", "entropy_coef", 0.01),
+        ("grpo", "kl_loss", "k2"),
+        ("controllers", "entropy_target", 0.8),
+        ("controllers", "entropy_coef_max", 0.1),
+        ("controllers", "kl_target", 0.1),
+        ("controllers", "kl_rate", 1.0),
+        ("grpo", "kl_target", 0.2),  # a config.json from before the controllers section
+    ],
+)
+def test_a_saved_config_that_set_a_removed_field_is_refused_naming_it(section, name, value):
+    """A run (or a recipe) that set a removed field cannot be run as it was: one line
+    that names the field, its value and the file."""
+    old = _old_config()
+    old[section][name] = value
+    with pytest.raises(ConfigError) as e:
+        build_config(old, defaults_file="runs/x/config.json")
+    msg = str(e.value)
+    want = f"runs/x/config.json: '{section}.{name}' is {value!r} here, but it was removed: "
+    assert msg.startswith(want) and "\n" not in msg, msg
 
 
 def test_bad_command_line_and_files(tmp_path):

@@ -454,17 +454,17 @@ def test_card_has_recipe_steps_settings_and_the_compare_table(tiny_model_dir, tm
     (tmp_path / "run" / "compare.json").write_text(json.dumps(stale))
     card = model_card("peft", str(tiny_model_dir), False, read_run(tmp_path / "run"))
     assert "B's adapters were those of step 1; these are from step 3 and were not compared" in card
-    # A run with a warm start and an adaptive beta says so.
+    # A run with a warm start and the KL to it says so.
     cfg_file = tmp_path / "run" / "config.json"
     cfg = json.loads(cfg_file.read_text())
-    cfg["train"]["sft_steps"], cfg["controllers"]["kl_target"] = 8, 0.1
+    cfg["train"]["sft_steps"] = 8
     cfg["grpo"]["reference"] = "start"
     cfg_file.write_text(json.dumps(cfg))
     card = model_card("peft", str(tiny_model_dir), False, read_run(tmp_path / "run"))
     assert (
         "| supervised warm start | 8 steps of 8 of the recipe's demonstrations, lr 0.0001 |" in card
     )
-    assert "| KL coefficient beta (k3) | 0.04 at the start, adaptive (KL target 0.1) |" in card
+    assert "| KL coefficient beta (k3) | 0.04 |" in card
     assert "| KL reference | the adapters the GRPO steps started from (after the warm start" in card
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import cut_back
+from conftest import REMOVED_AT_DEFAULTS, cut_back
 
 import mlx_grpo.credit as credit_mod
 import mlx_grpo.monitor as monitor_mod
@@ -1098,63 +1098,38 @@ def test_a_step_whose_entropy_leaves_its_range_writes_its_samples(
     assert steps("drift") == sorted({1, *guarded})
 
 
-def test_adaptive_kl_weight_is_logged_follows_the_controller_and_resumes(tiny_model_dir, tmp_path):
-    """kl/beta starts at grpo.beta, then follows next_beta on the KL of each step that
-    updated (held at a target below the policy's KL, it rises); a run resumed from step
-    3 carries it on to the same metrics and adapters as the uninterrupted run."""
-    from mlx_grpo.config import ControllersConfig
-    from mlx_grpo.grpo import next_beta
-
-    opts = ["--grpo.beta=0.04", "--controllers.kl_target=1e-6", "--controllers.kl_rate=1.0"]
-    opts += ["--output.save_every=1", "--output.keep_last=9"]
-    assert cmd_train(_args(tiny_model_dir, tmp_path, "a", *opts)) == 0
-    rows = _metrics(tmp_path / "a")
-    cfg = ControllersConfig(kl_target=1e-6, kl_rate=1.0)
-    beta, moved = 0.04, 0
-    for r in rows:
-        assert r["kl/beta"] == pytest.approx(beta, rel=1e-12)
-        if r["groups/trained"]:
-            beta = next_beta(beta, r["kl"], cfg)
-            moved += r["kl"] > 0
-    # Step 1 starts at the reference (KL 0: beta falls); later steps drift from it.
-    assert moved and rows[-1]["kl/beta"] > rows[1]["kl/beta"], [r["kl/beta"] for r in rows]
-    # The updates use it: a run at the fixed beta ends with other adapters.
-    assert cmd_train(_args(tiny_model_dir, tmp_path, "fixed", "--grpo.beta=0.04")) == 0
-    x = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
-    y = mx.load(str(tmp_path / "fixed" / "adapters.safetensors"))
-    assert not all(mx.array_equal(x[k], y[k]).item() for k in x)
-
-    b = cut_back(tmp_path / "a", tmp_path / "b", 3)
-    assert cmd_train(["--resume", str(b)]) == 0
-    _same_run(tmp_path / "a", b)
-
-
-def test_adaptive_entropy_weight_is_logged_follows_the_controller_and_resumes(
+def test_a_run_from_before_the_controllers_were_removed_resumes_or_names_what_it_set(
     tiny_model_dir, tmp_path
 ):
-    """entropy/coef starts at grpo.entropy_coef, then moves by rate x (target - the
-    entropy of the step that updated); a run resumed from step 3 carries it on to the
-    same metrics and adapters as the uninterrupted run."""
-    from mlx_grpo.config import ControllersConfig
-    from mlx_grpo.grpo import next_entropy_coef
+    """A run folder as the version before the entropy and KL controllers' removal left
+    it (config.json with the removed fields at their defaults, each checkpoint's
+    state.json with the controllers' weights among its counters) resumes to the run
+    that was never interrupted; one whose config.json set a removed field is refused in
+    one line that names it, and nothing of it changes."""
+    opts = ["--train.steps=4", "--output.save_every=1", "--output.keep_last=9"]
+    opts += ["--train.sample_every=1"]  # (a resumed run writes its first step's samples)
+    assert cmd_train(_args(tiny_model_dir, tmp_path, "a", *opts)) == 0
 
-    bonus = ["--grpo.entropy_coef=0.01", "--controllers.entropy_target=9.0"]
-    bonus += [
-        "--controllers.entropy_coef_rate=0.002",
-        "--output.save_every=1",
-        "--output.keep_last=9",
-    ]
-    assert cmd_train(_args(tiny_model_dir, tmp_path, "a", *bonus)) == 0
-    rows = _metrics(tmp_path / "a")
-    cfg = ControllersConfig(entropy_target=9.0, entropy_coef_rate=0.002)
-    coef = 0.01
-    for r in rows:
-        assert r["entropy/coef"] == pytest.approx(coef, abs=1e-9)
-        if r["groups/trained"]:
-            coef = next_entropy_coef(coef, r["entropy"], cfg)
-    # The tiny model's entropy (under ln 259 = 5.6 nats) stays below the target: it rises.
-    assert rows[-1]["entropy/coef"] > rows[0]["entropy/coef"] == 0.01
+    def aged(name: str, **controllers) -> Path:
+        run = cut_back(tmp_path / "a", tmp_path / name, 2)
+        cfg = json.loads((run / "config.json").read_text())
+        cfg["grpo"] |= REMOVED_AT_DEFAULTS["grpo"]
+        cfg["controllers"] = REMOVED_AT_DEFAULTS["controllers"] | controllers
+        (run / "config.json").write_text(json.dumps(cfg))
+        for state in run.glob("step-*/state.json"):
+            saved = json.loads(state.read_text())
+            saved["counters"] |= {"entropy_coef": 0.0, "beta": cfg["grpo"]["beta"]}
+            state.write_text(json.dumps(saved))
+        return run
 
-    b = cut_back(tmp_path / "a", tmp_path / "b", 3)
-    assert cmd_train(["--resume", str(b)]) == 0
-    _same_run(tmp_path / "a", b)
+    old = aged("old")
+    assert cmd_train(["--resume", str(old)]) == 0
+    _same_run(tmp_path / "a", old)
+
+    set_one = aged("set", kl_target=0.1)
+    files = {p: p.read_bytes() for p in set_one.rglob("*") if p.is_file()}
+    said = f"{set_one / 'config.json'}: 'controllers.kl_target' is 0.1 here, but it was removed"
+    with pytest.raises(ConfigError, match="^" + re.escape(said)) as e:
+        cmd_train(["--resume", str(set_one)])
+    assert "\n" not in str(e.value)
+    assert {p: p.read_bytes() for p in set_one.rglob("*") if p.is_file()} == files
