@@ -117,9 +117,11 @@ def save_checkpoint(
 def prune(run: RunFolder, step: int, keep_last: int) -> None:
     """Remove the step folders before `step` but the newest `keep_last - 1` complete
     ones, with what a kill left: a folder whose removal it cut short (no state.json),
-    a temporary step folder it cut short."""
+    a temporary step folder it cut short. Step 0 (the warm start's adapters, what the
+    GRPO steps are measured against: `compare --a <run>@0 --b <run>`) always stays."""
     older = [d for d in run.step_dirs(complete=False) if step_of(d.name) < step]
     whole = [d for d in older if (d / run.STATE).exists()]
+    older = [d for d in older if not (step_of(d.name) == 0 and d in whole)]
     kept = set(whole[-(keep_last - 1) :]) if keep_last > 1 else set()
     for old in older:
         if old not in kept:

@@ -410,7 +410,9 @@ class OutputConfig(_Section):
     dir: str = Field("checkpoints", description="Runs are written to <dir>/<run>/.")
     run: str | None = Field(None, description="Run name; default <recipe>-<timestamp>.")
     save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
-    keep_last: int = Field(3, ge=1, description="Step-numbered checkpoints to keep.")
+    keep_last: int = Field(
+        3, ge=1, description="Step-numbered checkpoints to keep (and step 0, the warm start)."
+    )
     live: Literal["auto", "yes", "no"] = Field(
         "auto", description="Rich live display; 'auto' only on a terminal."
     )

@@ -171,6 +171,26 @@ def test_saving_prunes_older_steps_only_with_what_a_kill_left(tmp_path):
     ]
 
 
+def test_step_0_the_warm_start_outlives_every_prune_unless_a_kill_tore_it(tmp_path):
+    """Step 0 holds the warm start's adapters, the baseline of `compare --a <run>@0`:
+    saves with keep_last=1 keep it besides their own step; a step 0 that a kill left
+    without its state.json is pruned like any other."""
+    model, opt = nn.Linear(3, 2), optim.Adam(1e-3)
+    opt.init(model.trainable_parameters())
+
+    def save(run, step):
+        return save_checkpoint(run, step, model, opt, {"rank": 1}, TrainState(step, {}, {}), 1)
+
+    run = tmp_path / "run"
+    for step in (0, 10, 20, 30):
+        save(run, step)
+    assert [p.name for p in RunFolder(run).step_dirs()] == ["step-000000", "step-000030"]
+    torn = tmp_path / "torn"
+    _fake_step(torn, 0, whole=False)
+    save(torn, 10)
+    assert sorted(p.name for p in torn.glob("*step-*")) == ["step-000010"]
+
+
 def test_a_step_saved_whose_latest_cannot_be_written_is_said_to_be_saved(tmp_path, monkeypatch):
     """The step folder is in place; only `latest` found no room. The error says so (not
     that the step before is the one intact), a resume takes the step, and under
