@@ -22,6 +22,8 @@ for the same keys, up to float32 rounding of the attention over a longer (masked
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
@@ -218,20 +220,33 @@ def supported(caches: list[list]) -> bool:
 
 class CompiledDecoder:
     """Samples one turn for a batch of rows with a compiled step; built once per model
-    and reused (its traces are keyed by batch size and capacity)."""
+    and reused (its traces are keyed by batch size and capacity).
+
+    It holds its model weakly, and the compiled steps take the model's arrays as
+    implicit inputs only while a turn decodes (`_inputs`), so a decoder kept for a model
+    (`rollout.compiled_decoder`) does not keep the model alive."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self._model = weakref.ref(model)
+        self._inputs: list[nn.Module] = []  # [the model] during a call, else empty
         self._steps: dict[tuple, object] = {}
         self.traces = 0  # compiled shapes so far (for tests and logs)
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("CompiledDecoder: its model was freed")
+        return model
 
     def _step(self, sampler, n_layers: int, lean: bool):
         settings = (sampler.settings, lean)
         if settings not in self._steps:
-            model = self.model
+            inputs = self._inputs
 
             def step(tokens, keys, pos, left, prefix_end, tail_start, shift, weights, *kv):
                 self.traces += 1  # runs only while tracing
+                model = inputs[0]  # its arrays are the tracers here
                 cache = [
                     StaticCache(kv[2 * i], kv[2 * i + 1], pos, left, prefix_end, tail_start, shift)
                     for i in range(n_layers)
@@ -245,7 +260,9 @@ class CompiledDecoder:
                 out = [a for c in cache for a in (c.keys, c.values)]
                 return (nxt, entropy, keys, cache[0].pos, *out)
 
-            self._steps[settings] = mx.compile(step, inputs=model.state)
+            # `inputs` holds the model (its state) while `__call__` runs: each call
+            # reads the model's current arrays, as `inputs=model.state` would.
+            self._steps[settings] = mx.compile(step, inputs=inputs)
         return self._steps[settings]
 
     def _prefill(self, tails, prefixes, plens, rests, bucket) -> list[list[mx.array]]:
@@ -289,9 +306,16 @@ class CompiledDecoder:
     def __call__(self, tails, caches, max_tokens: int, stop_ids, samplers):
         """As `rollout._decode`: per row, (sampled ids, "stop" or "length", its own
         cache holding `caches[i]`, the tail and every sampled id, the entropy of each
-        sampled id's distribution). `samplers` are
-        `KeyedSampler`s of one setting; each ends with the key the op-by-op path
-        leaves it (one split per draw, including the draw after its last token)."""
+        sampled id's distribution). `samplers` are `KeyedSampler`s of one setting (or
+        `GreedySampler`s); each ends with the key the op-by-op path leaves it (one split
+        per draw, including the draw after its last token)."""
+        self._inputs[:] = [self.model]
+        try:
+            return self._turn(tails, caches, max_tokens, stop_ids, samplers)
+        finally:
+            self._inputs.clear()
+
+    def _turn(self, tails, caches, max_tokens: int, stop_ids, samplers):
         b = len(tails)
         n_layers = len(caches[0])
         plens = [c[0].offset for c in caches]

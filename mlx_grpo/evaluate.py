@@ -14,7 +14,7 @@ import numpy as np
 from mlx_grpo.config import RolloutConfig
 from mlx_grpo.durable import append_record
 from mlx_grpo.recipe import Recipe, Task
-from mlx_grpo.rollout import GreedySampler, make_rollout_sampler, rollout_tasks
+from mlx_grpo.rollout import GreedySampler, keyed_samplers, rollout_tasks
 
 
 @dataclass
@@ -46,20 +46,29 @@ def evaluate(
     seed: int = 0,
 ) -> list[TaskResult]:
     """`samples` completions per task: greedy when temperature is 0 (then samples are
-    identical, so use 1), else sampled with `cfg`'s top-p/top-k at `temperature`."""
+    identical, so use 1), else sampled with `cfg`'s top-p/top-k/min-p at `temperature`,
+    each sample from its own key split from `seed`: the same seed draws the same tokens,
+    however the tasks are batched (`batch_tasks`)."""
     if not tasks:
         raise ValueError("evaluate: no tasks")
     cfg = cfg.model_copy(update={"end_on_ill_formed": False})  # a training rule only
     if temperature == 0:
         sampler = GreedySampler()
     else:
-        sampler = make_rollout_sampler(cfg.model_copy(update={"temperature": temperature}))
+        sampler = keyed_samplers(
+            cfg.model_copy(update={"temperature": temperature}),
+            mx.random.split(mx.random.key(seed), len(tasks) * samples),
+        )
     model.eval()
-    mx.random.seed(seed)
     out: list[TaskResult] = []
     for lo in range(0, len(tasks), batch_tasks):
         chunk = tasks[lo : lo + batch_tasks]
-        rollout = rollout_tasks(model, tokenizer, recipe, chunk, samples, cfg, sampler)
+        rows = (
+            sampler[lo * samples : (lo + len(chunk)) * samples]
+            if isinstance(sampler, list)
+            else sampler
+        )
+        rollout = rollout_tasks(model, tokenizer, recipe, chunk, samples, cfg, rows)
         results = {t.id: TaskResult(t.id, t.level, [], {}, [], []) for t in chunk}
         for c, s in zip(rollout.completions, recipe.score_rollout(chunk, rollout)):
             task = chunk[c.prompt_index]

@@ -16,15 +16,16 @@ its group's shared prompt cache.
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, make_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_grpo import fastmath
 from mlx_grpo.config import RolloutConfig
@@ -104,19 +105,6 @@ def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> li
     return ids[-max_prompt_tokens:] if len(ids) > max_prompt_tokens else ids
 
 
-def make_rollout_sampler(cfg: RolloutConfig):
-    """The rollout's sampler: mlx_lm's `make_sampler`, except that with top_k set (and
-    no min_p) the same distribution is drawn from the k best tokens only."""
-    if cfg.top_k > 0 and cfg.min_p == 0.0:
-        return partial(top_k_sampler, top_k=cfg.top_k, top_p=cfg.top_p, temp=cfg.temperature)
-    return make_sampler(
-        temp=cfg.temperature,
-        top_p=cfg.top_p if cfg.top_p < 1.0 else 0.0,
-        min_p=cfg.min_p,
-        top_k=cfg.top_k,
-    )
-
-
 def top_k_candidates(logprobs: mx.array, top_k: int, top_p: float) -> tuple[mx.array, mx.array]:
     """(token ids [N, k], their log-probs with the ones top-p drops at -inf), best first,
     from normalised log-probs [N, V] (what mlx_lm passes to a sampler).
@@ -147,16 +135,6 @@ def _top_k_of(
         before = mx.cumsum(probs, axis=-1) - probs  # mass of the better tokens
         vals = mx.where(before < top_p, vals, -mx.inf)
     return ids, vals
-
-
-def top_k_sampler(
-    logprobs: mx.array, top_k: int, top_p: float, temp: float, key: mx.array | None = None
-) -> mx.array:
-    """Sample at `temp` among the top-k (then top-p) tokens of [N, V] log-probs (from
-    `key` when given, else the global RNG)."""
-    ids, vals = top_k_candidates(logprobs, top_k, top_p)
-    pick = mx.random.categorical(vals * (1 / temp), axis=-1, key=key)
-    return mx.take_along_axis(ids, pick[..., None], axis=-1).squeeze(-1)
 
 
 class KeyedSampler:
@@ -265,9 +243,6 @@ class GreedySampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         return mx.argmax(logprobs, axis=-1)
 
-    def draw_rows(self, keys: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array]:
-        return mx.argmax(logprobs, axis=-1), keys
-
     def draw_logits(self, keys: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return mx.argmax(logits, axis=-1), fastmath.softmax_parts(logits)[3], keys
 
@@ -286,6 +261,46 @@ def compiled_decode_applies(samplers: list | None, caches: list[list]) -> bool:
 def keyed_samplers(cfg: RolloutConfig, keys: mx.array) -> list[KeyedSampler]:
     """One `KeyedSampler` per row of `keys` ([N, 2], from `mx.random.split`)."""
     return [KeyedSampler(cfg, keys[i]) for i in range(keys.shape[0])]
+
+
+def _samplers_or_fresh(sampler, cfg: RolloutConfig, n: int):
+    """`sampler`, or when it is None `n` `KeyedSampler`s whose keys are split from a
+    seed drawn from MLX's global random state (so `mx.random.seed` fixes what they
+    draw)."""
+    if sampler is not None:
+        return sampler
+    seed = mx.random.randint(0, 2**31 - 1, ()).item()
+    return keyed_samplers(cfg, mx.random.split(mx.random.key(seed), n))
+
+
+# Each model's compiled decoder, built on its first compiled turn and reused by every
+# later one (its traces are the shapes compiled so far), by id(model): an nn.Module is
+# a dict, not hashable. An entry holds a weak reference to its model, whose callback
+# drops the entry when the model is freed; a decoder holds its model only while it
+# decodes, so an entry never keeps a model alive.
+_decoders: dict[int, tuple[weakref.ref, CompiledDecoder]] = {}
+
+
+def compiled_decoder(model: nn.Module) -> CompiledDecoder:
+    """The compiled decoder of `model` (built on first use, then kept while `model`
+    lives)."""
+    key = id(model)
+    entry = _decoders.get(key)
+    if entry is None or entry[0]() is not model:
+
+        def forget(ref: weakref.ref) -> None:
+            if _decoders.get(key, (None,))[0] is ref:
+                del _decoders[key]
+
+        entry = _decoders[key] = (weakref.ref(model, forget), CompiledDecoder(model))
+    return entry[1]
+
+
+def decode_traces(model: nn.Module) -> int | None:
+    """The shapes `model`'s compiled decoder has traced so far (the metric
+    `compile/decode_traces`); None when no turn of it has taken the compiled path."""
+    entry = _decoders.get(id(model))
+    return entry[1].traces if entry is not None and entry[0]() is model else None
 
 
 def _prefill(model: nn.Module, prompt: list[int]) -> list:
@@ -389,9 +404,7 @@ def _decode(
     samplers = sampler if isinstance(sampler, list) else None
     rows = [sampler] * n if isinstance(sampler, GreedySampler) else samplers
     if cfg.compile_decode and compiled_decode_applies(rows, caches):
-        decoder = getattr(model, "_compiled_decoder", None)
-        if decoder is None:
-            decoder = model._compiled_decoder = CompiledDecoder(model)
+        decoder = compiled_decoder(model)
         return decoder(tails, caches, cfg.max_new_tokens, stop_ids(tokenizer, cfg), rows)
     gen = BatchGenerator(
         model,
@@ -446,8 +459,9 @@ def generate_groups(
 ) -> Rollout:
     """Sample `group_size` completions for every prompt, all decoding in one batch.
 
-    `sampler`: one sampler for every sequence, or a list of B*G (prompt-major, e.g.
-    `keyed_samplers`); default `make_rollout_sampler(cfg)`."""
+    `sampler`: a list of B*G samplers (prompt-major: `keyed_samplers`), or one for
+    every sequence (`GreedySampler`, or any mlx_lm sampler, which takes mlx_lm's
+    generator); None: `keyed_samplers` of keys from MLX's global random state."""
     _check_prompts(prompts)
     tic = time.perf_counter()
     caches = prefill_prompts(model, prompts)
@@ -459,7 +473,7 @@ def generate_groups(
         [[prompts[i][-1]] for i in owners],
         [caches[i] for i in owners],
         cfg,
-        sampler or make_rollout_sampler(cfg),
+        _samplers_or_fresh(sampler, cfg, len(owners)),
     )
     completions = []
     for owner, (toks, reason, _, ent) in zip(owners, sampled):
@@ -542,7 +556,7 @@ def play_episodes(
     _check_prompts(prompts)
     if len(envs) != len(prompts) * group_size:
         raise ValueError(f"play_episodes: {len(envs)} envs for {len(prompts)}x{group_size}")
-    sampler = sampler or make_rollout_sampler(cfg)
+    sampler = _samplers_or_fresh(sampler, cfg, len(envs))
     template = TurnTemplate(tokenizer)
     tic = time.perf_counter()
     caches = prefill_prompts(model, prompts)

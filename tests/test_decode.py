@@ -19,7 +19,7 @@ from mlx_grpo.cli import cmd_train
 from mlx_grpo.config import LoRAConfig, RolloutConfig
 from mlx_grpo.decode import CompiledDecoder, capacity
 from mlx_grpo.models import apply_lora
-from mlx_grpo.rollout import _decode, keyed_samplers, prefill_prompts
+from mlx_grpo.rollout import _decode, decode_traces, keyed_samplers, prefill_prompts
 
 TOY_ENV = Path(__file__).parent / "data" / "toy_env"
 
@@ -71,7 +71,6 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, overhead, m
     # samples EOS), so that rows end at different steps.
     stops = set(tok.eos_token_ids) | set(range(0, len(tok.vocab), 10))
     monkeypatch.setattr(tok, "eos_token_ids", stops)
-    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
     cfg = RolloutConfig(max_new_tokens=24, **settings)
     words = ["a", "short prompt", "another, much longer prompt here", "mid length", "x y z"]
     prompts = [tok.encode(f"{w} number {i}") for i, w in enumerate(words * 2)]
@@ -85,7 +84,7 @@ def test_compiled_decode_samples_what_mlx_lm_samples(tiny, settings, overhead, m
     assert got_keys == want_keys
     finishes = {f for turn in want for _, f in turn}
     assert finishes == {"stop", "length"}  # both ends are exercised
-    assert model._compiled_decoder.traces > 1  # the batch shrank
+    assert decode_traces(model) > 1  # the batch shrank
     if overhead is not None:
         assert buckets and min(buckets) > 2  # the rows' tails in several buckets
     widest = capacity(max(c[0].offset for c in want_caches) + cfg.max_new_tokens + 1)
@@ -118,7 +117,6 @@ def test_rows_whose_tails_share_one_prefill_bucket_each_decode_as_alone(
 
     monkeypatch.setattr(decode_mod, "length_buckets", recorded)
     model, tok = tiny
-    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
     cfg = RolloutConfig(max_new_tokens=12, temperature=1.5, compile_decode=True)
     prompts = [tok.encode(f"prompt {'w' * i} number {i}") for i in range(6)]
     observations = [tok.encode(" " + "ab" * (i + 1)) for i in range(6)]
@@ -164,7 +162,6 @@ def test_each_sampled_id_carries_the_entropy_of_the_distribution_it_came_from(
     model, tok = tiny
     stops = set(tok.eos_token_ids) | set(range(0, len(tok.vocab), 10))
     monkeypatch.setattr(tok, "eos_token_ids", stops)
-    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
     cfg = RolloutConfig(max_new_tokens=12, temperature=1.5, compile_decode=compiled)
     words = ["a", "short prompt", "another, much longer prompt here", "x y z"]
     prompts = [tok.encode(f"{w} number {i}") for i, w in enumerate(words)]
@@ -192,7 +189,7 @@ def test_each_sampled_id_carries_the_entropy_of_the_distribution_it_came_from(
             caches = [c for _, _, c, _ in out]
     assert len(got) > 3 * len(prompts)  # rows sampled more than one id a turn
     if compiled:  # rows left the batch as they ended (their entropies with them)
-        assert model._compiled_decoder.traces > 1
+        assert decode_traces(model) > 1
     # A position's logits went through the layers' reductions and its attention row
     # (at most the longest sequence; the compiled path attends over its capacity) in
     # another order; the entropy then sums over the vocabulary.
@@ -214,7 +211,6 @@ def test_both_paths_stop_after_a_line_break_under_stop_at_newline(tiny, monkeypa
     model, tok = tiny
     breaks = frozenset(range(3, len(tok.vocab), 20)) - set(tok.eos_token_ids)
     monkeypatch.setattr(rollout, "newline_ids", lambda tokenizer: breaks)
-    monkeypatch.delattr(model, "_compiled_decoder", raising=False)
     cfg = RolloutConfig(max_new_tokens=24, temperature=1.5, stop_at_newline=True)
     prompts = [tok.encode(f"prompt {w} number {i}") for i, w in enumerate("abcdefghijklmnop")]
     want, _, _ = _turns(model, tok, cfg, prompts, [None], False, 7)
@@ -285,9 +281,48 @@ def test_the_compiled_step_reads_the_adapters_current_weights(tiny):
         want, _, _ = _turns(model, tok, cfg, prompts, observations, False, 3)
         got, _, _ = _turns(model, tok, cfg, prompts, observations, True, 3)
         assert got == want
-        runs.append((want, model._compiled_decoder.traces))
+        runs.append((want, decode_traces(model)))
     assert runs[0][0] != runs[1][0]  # the new weights sample other tokens
     assert runs[0][1] == runs[1][1]  # from the graph traced before the update
+
+
+@pytest.mark.parametrize("lora", [False, True])  # the lean step; the model call
+def test_a_model_s_compiled_decoder_lives_as_long_as_the_model(lora):
+    """`rollout.compiled_decoder` builds one decoder a model and hands it back on later
+    turns, which reuse its traces; `decode_traces` is None for a model that has not
+    decoded compiled. Neither the decoder nor its compiled steps keep the model alive:
+    once the model is freed, so is its decoder."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from mlx_grpo import rollout
+
+    model = _family_model("llama")
+    if lora:
+        apply_lora(model, LoRAConfig(rank=4))
+    other = _family_model("llama")
+    cfg = RolloutConfig(max_new_tokens=4, temperature=1.0)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+
+    def turn(model):
+        samplers = keyed_samplers(cfg, mx.random.split(mx.random.key(0), 2))
+        caches = prefill_prompts(model, prompts)
+        tok = SimpleNamespace(eos_token_ids=[])  # (rows run to the length limit)
+        out = rollout._decode(model, tok, [[p[-1]] for p in prompts], caches, cfg, samplers)
+        return [ids for ids, _, _, _ in out]
+
+    assert decode_traces(model) is None
+    first = turn(model)
+    traces = decode_traces(model)
+    assert traces > 0 and decode_traces(other) is None
+    decoder = rollout.compiled_decoder(model)
+    assert rollout.compiled_decoder(model) is decoder
+    assert turn(model) == first and decode_traces(model) == traces  # no new trace
+    model_ref, decoder_ref = weakref.ref(model), weakref.ref(decoder)
+    del model, decoder
+    gc.collect()
+    assert model_ref() is None and decoder_ref() is None
 
 
 def test_a_training_run_is_the_same_with_compiled_decode(tiny_model_dir, tmp_path, monkeypatch):
@@ -336,13 +371,14 @@ def test_greedy_evaluation_is_the_same_with_compiled_decode(tiny):
     model, tok = tiny
     recipe = Recipe(str(TOY_ENV), {"finished": 1.0, "short": 0.5}, {})
     tasks = recipe.tasks("eval", 6, 0)
-    texts = {}
+    texts, traces = {}, {}
     for flag in (False, True):
         cfg = RolloutConfig(max_new_tokens=12, max_turns=3, compile_decode=flag)
         texts[flag] = [r.texts for r in evaluate(model, tok, recipe, tasks, cfg)]
+        traces[flag] = decode_traces(model)
     assert texts[True] == texts[False]
     assert len({t[0] for t in texts[True]}) > 1  # the tasks' episodes differ
-    assert any(k[0] == ("greedy",) for k in model._compiled_decoder._steps)  # it decoded them
+    assert traces[False] is None and traces[True] > 0  # only the compiled run traced
 
 
 def _family_model(family: str, **extra):

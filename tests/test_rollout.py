@@ -13,7 +13,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_grpo.config import RolloutConfig
-from mlx_grpo.rollout import KeyedSampler, encode_prompt, generate_groups, keyed_samplers
+from mlx_grpo.rollout import (
+    GreedySampler,
+    KeyedSampler,
+    encode_prompt,
+    generate_groups,
+    keyed_samplers,
+)
 
 
 def _prompts(tokenizer):
@@ -34,12 +40,15 @@ def test_groups_are_contiguous_and_complete(tiny):
     assert out.generated_tokens == sum(len(c.tokens) for c in out.completions)
 
 
-def test_shared_prefill_decodes_like_mlx_lm_generate(tiny):
-    """Greedy samples from the shared-cache batch equal mlx_lm's one-prompt decoding."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_shared_prefill_decodes_like_mlx_lm_generate(tiny, compiled):
+    """`GreedySampler` samples from the shared-cache batch (compiled decoder, or mlx_lm's
+    generator) equal mlx_lm's one-prompt decoding with its own greedy sampler."""
     model, tok = tiny
     prompts = _prompts(tok)
     greedy = make_sampler(temp=0.0)
-    out = generate_groups(model, tok, prompts, 2, RolloutConfig(max_new_tokens=8), sampler=greedy)
+    cfg = RolloutConfig(max_new_tokens=8, compile_decode=compiled)
+    out = generate_groups(model, tok, prompts, 2, cfg, sampler=GreedySampler())
     for i, p in enumerate(prompts):
         want = []
         for t, _ in generate_step(mx.array(p), model, max_tokens=8, sampler=greedy):
@@ -78,14 +87,18 @@ def test_long_prompts_are_cut_from_the_left(tiny):
 
 
 def test_sampling_is_seeded(tiny):
+    """With no sampler given, the keyed samplers' keys come from MLX's global random
+    state: the same `mx.random.seed` draws the same tokens, another seed others."""
     model, tok = tiny
     cfg = RolloutConfig(max_new_tokens=8, temperature=1.0)
-    mx.random.seed(7)
-    a = generate_groups(model, tok, _prompts(tok), 4, cfg)
-    mx.random.seed(7)
-    b = generate_groups(model, tok, _prompts(tok), 4, cfg)
-    assert [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
-    assert len({tuple(c.tokens) for c in a.completions}) > 3  # temperature really samples
+    runs = []
+    for seed in (7, 7, 8):
+        mx.random.seed(seed)
+        runs.append(
+            [c.tokens for c in generate_groups(model, tok, _prompts(tok), 4, cfg).completions]
+        )
+    assert runs[0] == runs[1] != runs[2]
+    assert len({tuple(t) for t in runs[0]}) > 3  # temperature really samples
 
 
 def test_keyed_samples_do_not_depend_on_the_batch(tiny):
@@ -118,13 +131,13 @@ def test_keyed_samples_do_not_depend_on_the_batch(tiny):
 
 
 @pytest.mark.parametrize("vocab", [300, 12_000])
-def test_top_k_sampler_keeps_mlx_lm_candidates_and_distribution(vocab):
-    """The fast top-k/top-p sampler keeps exactly the tokens mlx_lm's apply_top_p then
-    apply_top_k keep (12,000 words: k = 5 and 20 go by blocks, `fastmath.top_k`), and
-    samples them with mlx_lm's tempered probabilities."""
+def test_top_k_candidates_are_mlx_lm_s(vocab):
+    """The keyed sampler's fast top-k/top-p candidates (`top_k_candidates`) are exactly
+    the tokens mlx_lm's apply_top_p then apply_top_k keep (12,000 words: k = 5 and 20
+    go by blocks, `fastmath.top_k`)."""
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-    from mlx_grpo.rollout import top_k_candidates, top_k_sampler
+    from mlx_grpo.rollout import top_k_candidates
 
     mx.random.seed(3)
     for spread in (0.5, 2.0, 6.0):
@@ -141,15 +154,48 @@ def test_top_k_sampler_keeps_mlx_lm_candidates_and_distribution(vocab):
                 }
                 assert got == want, (spread, k, p, row)
 
-    logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.8, top_k=4, top_p=0.95),  # the fast top-k path
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=1.5, min_p=0.3),  # mlx_lm's filters, in their order
+        dict(temperature=1.5, min_p=0.5, top_k=4),  # min-p keeps fewer than top-k
+        dict(temperature=0.7, top_p=0.95, min_p=0.2),
+        dict(temperature=1.3),
+    ],
+)
+def test_keyed_draws_follow_mlx_lm_s_distribution(settings):
+    """40,000 keyed draws from one row of log-probs, through `draw_rows` (under
+    `KeyedSampler.draw`) and `draw_logits` (the compiled decode step's): each token's
+    frequency is mlx_lm's probability for it (mlx_lm's apply_top_p, apply_min_p and
+    apply_top_k as `make_sampler` chains them, then the tempered softmax) within 0.01,
+    four standard deviations at most; tokens mlx_lm's filters drop are never drawn.
+    Every setting but the last drops tokens of this row."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    cfg = RolloutConfig(**settings)
+    logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.2, -2.0]])
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    temp = 0.8
-    ref = apply_top_k(apply_top_p(logprobs, 0.9), 5)
-    want = mx.softmax(ref / temp, axis=-1)[0].tolist()
-    draws = top_k_sampler(mx.broadcast_to(logprobs, (40000, 8)), top_k=5, top_p=0.9, temp=temp)
-    freq = np.bincount(np.array(draws), minlength=8) / 40000
-    for f, w in zip(freq, want):
-        assert abs(f - w) < 0.01, (freq, want)
+    ref = logprobs
+    if cfg.top_p < 1.0:
+        ref = apply_top_p(ref, cfg.top_p)
+    if cfg.min_p > 0:
+        ref = apply_min_p(ref, cfg.min_p)
+    if cfg.top_k > 0:
+        ref = apply_top_k(ref, cfg.top_k)
+    want = np.array(mx.softmax(ref / cfg.temperature, axis=-1)[0])
+    assert (want == 0).any() == (cfg.top_p < 1 or cfg.min_p > 0 or cfg.top_k > 0)
+    n, v = 40_000, logits.shape[1]
+    sampler = KeyedSampler(cfg, mx.random.key(0))
+    keys = mx.random.split(mx.random.key(12), n)
+    from_logprobs, _ = sampler.draw_rows(keys, mx.broadcast_to(logprobs, (n, v)))
+    from_logits, _, _ = sampler.draw_logits(keys, mx.broadcast_to(logits, (n, v)))
+    for draws in (from_logprobs, from_logits):
+        freq = np.bincount(np.array(draws), minlength=v) / n
+        assert np.all(freq[want == 0] == 0), (freq, want)
+        assert np.abs(freq - want).max() < 0.01, (freq, want)
 
 
 def test_a_shared_prefix_is_prefilled_once_with_the_same_caches(tiny, tiny_model_dir):
@@ -265,6 +311,7 @@ def test_decode_step_samples_the_tokens_of_mlx_lm_step(tiny, tiny_model_dir):
     layers' reductions, an attention row of at most the compiled cache's capacity, then
     the sum over the vocabulary)."""
     from mlx_grpo.decode import capacity
+    from mlx_grpo.rollout import decode_traces
 
     model, tok = tiny
     prompts = _prompts(tok)
@@ -275,7 +322,7 @@ def test_decode_step_samples_the_tokens_of_mlx_lm_step(tiny, tiny_model_dir):
         samplers = keyed_samplers(cfg, keys)
         runs.append((generate_groups(model, tok, prompts, 4, cfg, samplers), samplers))
     (fast, fast_keys), (plain, plain_keys) = runs
-    assert hasattr(model, "_compiled_decoder")  # the first run took the compiled path
+    assert decode_traces(model)  # the first run took the compiled path
     assert [c.tokens for c in fast.completions] == [c.tokens for c in plain.completions]
     assert len({tuple(c.tokens) for c in fast.completions}) > 6
     assert [np.array(s.key).tolist() for s in fast_keys] == [

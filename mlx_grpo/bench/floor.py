@@ -235,16 +235,17 @@ def _block_ops(s: Shapes, rows: int, q_len: int, ctx: int, grad: bool, reps: int
 
 
 def _head_ops(s: Shapes, m: int, grad: bool, reps: int, sampler=None) -> dict:
-    """The vocab head on m positions, then log-softmax (update) or sampling (decode)."""
+    """The vocab head on m positions, then log-softmax (update) or the draw (decode:
+    a `KeyedSampler`'s `draw_logits` with its normaliser and entropy, as in the compiled
+    decode step)."""
     h = mx.random.normal((m, s.d)) * 0.1
     emb = mx.random.normal((s.vocab, s.d)) * 0.02
     logits = mx.random.normal((m, s.vocab))
     mx.eval(h, emb, logits)
     gemm = _time(lambda t: t @ emb.T, [h], grad, reps)
     if sampler is not None:
-        elementwise = _time(
-            lambda t: sampler(t - mx.logsumexp(t, axis=-1, keepdims=True)), [logits], False, reps
-        )
+        keys = mx.random.split(mx.random.key(0), m)
+        elementwise = _time(lambda t: sampler.draw_logits(keys, t), [logits], False, reps)
     else:
         elementwise = _time(
             lambda t: t - mx.logsumexp(t, axis=-1, keepdims=True), [logits], grad, reps
@@ -258,7 +259,8 @@ def _add(acc: dict, part: dict, times: float = 1.0) -> None:
 
 
 def op_split(s: Shapes, prompt_lens, comp_lens, group, sampler, reps: int = 3) -> dict:
-    """Estimated seconds per op class for each phase of the step."""
+    """Estimated seconds per op class for each phase of the step; `sampler` (a
+    `KeyedSampler` of the rollout's settings) draws the decode steps' tokens."""
     steps = max(comp_lens)
     out = {}
     # prefill: each prompt once (all but its last token), logits for every position
@@ -297,7 +299,7 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
     from mlx_grpo.device import update_lanes
     from mlx_grpo.dist import Dist
     from mlx_grpo.grpo import group_advantages, grpo_loss
-    from mlx_grpo.rollout import make_rollout_sampler, prefill_prompts
+    from mlx_grpo.rollout import KeyedSampler, prefill_prompts
     from mlx_grpo.update import apply_update, build_loss_inputs, policy_gradient, reference_pass
 
     g = rollout.group_size
@@ -348,9 +350,8 @@ def profile_step(model, tokenizer, optimizer, cfg, rollout, reps: int = 3) -> di
         "optimizer": median(opt, 2),
     }
     shapes = Shapes(model, cfg.lora.rank)
-    ops = op_split(
-        shapes, [len(p) for p in prompts], comp_lens, g, make_rollout_sampler(cfg.rollout), reps=2
-    )
+    sampler = KeyedSampler(cfg.rollout, mx.random.key(0))  # (draw_logits takes the keys)
+    ops = op_split(shapes, [len(p) for p in prompts], comp_lens, g, sampler, reps=2)
     for phase, acc in ops.items():
         # Timed alone, each small op pays a synchronisation that a whole graph overlaps
         # (decode's [16, 1] GEMMs most): estimates above the measured phase are scaled
