@@ -44,7 +44,7 @@ from mlx_grpo.monitor import (
     watch,
 )
 from mlx_grpo.recipe import Recipe
-from mlx_grpo.rollout import Rollout, join_rollouts, keyed_samplers, rollout_tasks
+from mlx_grpo.rollout import Rollout, decode_traces, join_rollouts, keyed_samplers, rollout_tasks
 from mlx_grpo.runstate import Counters, CtrlC, Interrupted, RunState
 from mlx_grpo.update import build_loss_inputs, build_optimizer, loss_and_grad_of, update_step
 from mlx_grpo.warmstart import check_ranks, warm_start
@@ -414,8 +414,8 @@ def _compile_metrics(model, loss_and_grad, cfg: RunConfig) -> dict:
     out = {}
     if cfg.engine.compile:
         out["compile/traces"] = loss_and_grad.traces
-    if (decoder := getattr(model, "_compiled_decoder", None)) is not None:
-        out["compile/decode_traces"] = decoder.traces
+    if (traces := decode_traces(model)) is not None:
+        out["compile/decode_traces"] = traces
     return out
 
 
