@@ -31,7 +31,7 @@ usage: mlx-grpo COMMAND ...   (or python -m mlx_grpo COMMAND ...)
 
   train     GRPO on a recipe (train --help: every option)
   compare   A/B two models on a recipe's held-out tasks (python -m mlx_grpo.compare)
-  export    adapters to PEFT / a fused Hugging Face model / GGUF, push to the Hub
+  export    adapters to PEFT / a fused Hugging Face model / the base, push to the Hub
   plot      a run's curves as a PNG
   bench     speed against TRL and mlx-lm-lora (make bench; python -m mlx_grpo.bench)
 """
