@@ -187,10 +187,12 @@ def test_a_reinforced_episode_leaves_its_ill_formed_replies_out_of_the_loss(tiny
     first.actions.insert(0, "an earlier long reply")
     first.results.insert(0, StepResult("", False, {"format": False}))
     signs = np.where(np.arange(24) % 3 == 0, -1.0, 1.0).astype(np.float32)
-    kept = np.array(build_loss_inputs(rollout, mx.array(signs), 18, False).mask)
-    cut = np.array(
-        build_loss_inputs(rollout, mx.array(signs), 18, False, reinforce_ill_formed=False).mask
+    # (fold=False: two alike episodes of a group would share one row's mask, `fold_alike_rows`)
+    kept = np.array(build_loss_inputs(rollout, mx.array(signs), 18, False, fold=False).mask)
+    cut = build_loss_inputs(
+        rollout, mx.array(signs), 18, False, reinforce_ill_formed=False, fold=False
     )
+    cut = np.array(cut.mask)
     withheld = reinforced = 0
     for i, c in enumerate(rollout.completions):
         expected = np.zeros(cut.shape[1], np.float32)
