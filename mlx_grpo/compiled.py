@@ -44,12 +44,12 @@ from mlx.utils import tree_map
 from mlx_grpo.config import LOGITS_CHUNK
 from mlx_grpo.grpo import LOSS_METRICS, LossInputs, objective, turn_weights
 from mlx_grpo.logprobs import (
-    _head_logprobs,
-    _output_head,
-    _PrefixCache,
-    _splittable,
-    _vocab_size,
+    PrefixCache,
     effective_lengths,
+    head_logprobs,
+    output_head,
+    splittable,
+    vocab_size_of,
 )
 
 PAD = 32  # tokens: prompts and completions are padded to multiples of this
@@ -64,8 +64,8 @@ def padded(n: int, multiple: int = PAD) -> int:
     return max(1, -(-n // multiple)) * multiple
 
 
-class _LeftPadded(_PrefixCache):
-    """A `_PrefixCache` for a prompt whose first `start` positions are padding: no query
+class _LeftPadded(PrefixCache):
+    """A `PrefixCache` for a prompt whose first `start` positions are padding: no query
     sees them (a padding query sees itself only, so that its row stays finite)."""
 
     def __init__(self, start: mx.array):
@@ -98,15 +98,15 @@ class CompiledLossAndGrad:
     s, first step 66 s against 14 s); the module's docstring has the sources."""
 
     def __init__(self, model: nn.Module, cfg, logits_chunk: int = LOGITS_CHUNK):
-        if not _splittable(model):
+        if not splittable(model):
             raise ValueError(
                 "engine.compile needs an mlx_lm model with an output head and plain KV "
                 "caches; this model has neither, set --engine.compile=false"
             )
         self.model, self.cfg, self.chunk = model, cfg, logits_chunk
         self.traces = 0
-        self.head = _output_head(model)
-        self.vocab = _vocab_size(model, self.head, mx.zeros((1, 1), mx.int32))
+        self.head = output_head(model)
+        self.vocab = vocab_size_of(model, self.head, mx.zeros((1, 1), mx.int32))
         value_and_grad = nn.value_and_grad(model, self._loss)
 
         def traced(*arrays):
@@ -124,7 +124,7 @@ class CompiledLossAndGrad:
         if c > 1:
             rest = model.model(comp[:, : c - 1], cache=[pc.shared(r) for pc in cache])
             hidden = mx.concatenate([hidden, rest], axis=1)
-        lp, ent = _head_logprobs(self.head, hidden, comp, self.chunk, self.vocab)
+        lp, ent = head_logprobs(self.head, hidden, comp, self.chunk, self.vocab)
         on = mask > 0
         lp, ent = mx.where(on, lp, 0.0), mx.where(on, ent, 0.0)
         batch = LossInputs(

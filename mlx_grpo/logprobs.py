@@ -17,7 +17,7 @@ qwen2, qwen3 on a Linux CPU), the whole micro-batch is one packed pass (`_Packed
   logits, each of which also yields its log-probs' gradient with respect to the hidden
   states (`_head_chunk`), so no logits outlive their chunk or are computed twice.
 Other models with plain KV caches run group by group: the prompt once, its keys and
-values shared by the group's completions (`_PrefixCache`), the completions in length
+values shared by the group's completions (`PrefixCache`), the completions in length
 buckets. Each path has a test against full passes of the model through MLX's own
 log-softmax; any other model runs such full passes (`_full_sequence_logprobs`).
 """
@@ -33,7 +33,7 @@ from mlx_grpo import fastmath
 from mlx_grpo.device import packs_rows
 
 
-def _output_head(model: nn.Module):
+def output_head(model: nn.Module):
     """The model's vocab projection, so logits can be computed for chosen positions only."""
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head
@@ -62,7 +62,7 @@ def _logprobs_of(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.arra
     return picked.squeeze(-1) - log_total, mx.stop_gradient(entropy)
 
 
-class _PrefixCache:
+class PrefixCache:
     """A differentiable KV cache for one group: the prompt's keys/values, computed once,
     then shared (broadcast, not copied) by the group's G completions.
 
@@ -83,9 +83,9 @@ class _PrefixCache:
         self.offset = keys.shape[2]
         return keys, values
 
-    def shared(self, rows: int) -> _PrefixCache:
+    def shared(self, rows: int) -> PrefixCache:
         """A cache for `rows` completions on top of this (prompt) cache, which stays as is."""
-        out = _PrefixCache()
+        out = PrefixCache()
         out.keys = mx.broadcast_to(self.keys, (rows, *self.keys.shape[1:]))
         out.values = mx.broadcast_to(self.values, (rows, *self.values.shape[1:]))
         out.offset = self.offset
@@ -95,13 +95,13 @@ class _PrefixCache:
         return create_attention_mask(n, self.offset, return_array, window_size)
 
 
-def _splittable(model: nn.Module) -> bool:
+def splittable(model: nn.Module) -> bool:
     """True for mlx_lm models with an inner `.model`, an output head we can call on
     chosen positions, and plain KV caches (no sliding windows or SSM state)."""
     inner = getattr(model, "model", None)
     return (
         inner is not None
-        and _output_head(model) is not None
+        and output_head(model) is not None
         and all(isinstance(c, KVCache) for c in make_prompt_cache(model))
     )
 
@@ -155,7 +155,7 @@ def _group_logprobs(
     or None for all) when the head skips them (see _head_logprobs_at).
     """
     g, c = completions.shape
-    cache = [_PrefixCache() for _ in model.layers]
+    cache = [PrefixCache() for _ in model.layers]
     h_last = model.model(prompt[None], cache=cache)[:, -1:]
     parts, rows = [], []
     for bucket in length_buckets(lengths):
@@ -171,7 +171,7 @@ def _group_logprobs(
         if on is not None and on.mean() < SPARSE_HEAD_SHARE:
             lp, ent = _head_logprobs_at(head, first, tokens[:, :cb], on, chunk_floats, vocab, grad)
         else:
-            lp, ent = _head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab, grad)
+            lp, ent = head_logprobs(head, first, tokens[:, :cb], chunk_floats, vocab, grad)
         if cb < c:
             lp, ent = mx.pad(lp, [(0, 0), (0, c - cb)]), mx.pad(ent, [(0, 0), (0, c - cb)])
         parts.append((lp, ent))
@@ -188,7 +188,7 @@ def _group_logprobs(
     return lp, ent
 
 
-def _head_logprobs(head, hidden, targets, chunk_floats, vocab, grad=True):
+def head_logprobs(head, hidden, targets, chunk_floats, vocab, grad=True):
     """Log-probs and entropies from hidden states, in row chunks of at most
     `chunk_floats` logits. `grad`: whether a gradient is taken through the log-probs
     (the entropies never carry one); False: the forward alone.
@@ -279,7 +279,7 @@ SPARSE_HEAD_SHARE = 0.5
 
 
 def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, grad=True):
-    """_head_logprobs at the positions where `on` ([n, c] numpy bool) is set, 0 elsewhere:
+    """head_logprobs at the positions where `on` ([n, c] numpy bool) is set, 0 elsewhere:
     the hidden states there are gathered into one [M, 1] batch, and the results are
     gathered back (the backward pass scatters their gradients to the same positions)."""
     n, c = targets.shape
@@ -289,7 +289,7 @@ def _head_logprobs_at(head, hidden, targets, on, chunk_floats, vocab, grad=True)
     pick = mx.array(flat)
     h = hidden.reshape(n * c, -1)[pick][:, None]
     y = targets.reshape(-1)[pick][:, None]
-    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, grad)
+    lp, ent = head_logprobs(head, h, y, chunk_floats, vocab, grad)
     return _placed(lp[:, 0], flat, (n, c)), _placed(ent[:, 0], flat, (n, c))
 
 
@@ -469,7 +469,7 @@ def _draws_dropout(model: nn.Module) -> bool:
 def shares_inputs(model: nn.Module) -> bool:
     """Whether `completion_logprobs` runs the rows that open alike on shared positions
     (`shared_inputs`): in the packed pass, drawing no dropout."""
-    return _splittable(model) and _packable(model) and not _draws_dropout(model)
+    return splittable(model) and _packable(model) and not _draws_dropout(model)
 
 
 def _first_inputs(runs: list[tuple[int, int]], s: int) -> list[tuple[int, int]]:
@@ -523,7 +523,7 @@ def _packed_logprobs(model, head, prompts, completions, lengths, on, chunk_float
     hidden = model.model(x, cache=[layout] * len(model.layers))
     h = hidden[mx.array(source)]  # [m, 1, d]
     y = completions.reshape(-1)[mx.array(flat)][:, None]
-    lp, ent = _head_logprobs(head, h, y, chunk_floats, vocab, grad)
+    lp, ent = head_logprobs(head, h, y, chunk_floats, vocab, grad)
     return _placed(lp[:, 0], flat, (n, c)), _placed(ent[:, 0], flat, (n, c))
 
 
@@ -553,7 +553,7 @@ def completion_logprobs(
     cost nothing and their values are not defined (0, or what their row's bucket
     computed). Each prompt runs once for its whole group, and logits are computed only
     at the positions that predict completion tokens, in row chunks of at most
-    `chunk_floats` logits that no backward pass needs again (`_head_logprobs`).
+    `chunk_floats` logits that no backward pass needs again (`head_logprobs`).
     With `mask` ([N, C], the loss mask), the lengths come from it, and logits are
     computed only on the mask (log-probs and entropies off it are 0): always in the
     packed pass, and in the per-group pass where the mask is sparse (the environment's
@@ -566,15 +566,15 @@ def completion_logprobs(
     if g * len(prompts) != n:
         raise ValueError(f"{n} completions do not split into {len(prompts)} groups")
 
-    if not _splittable(model):  # any other architecture: full sequences, full logits
+    if not splittable(model):  # any other architecture: full sequences, full logits
         return _full_sequence_logprobs(model, prompts, completions, g)
 
-    head = _output_head(model)
+    head = output_head(model)
     on = None if mask is None else np.array(mask) > 0
     if lengths is None:
         lengths = [c] * n if mask is None else effective_lengths(mask)
     lengths = [min(int(x), c) for x in lengths]
-    vocab = _vocab_size(model, head, completions)
+    vocab = vocab_size_of(model, head, completions)
     if _packable(model):
         return _packed_logprobs(
             model, head, prompts, completions, lengths, on, chunk_floats, vocab, grad
@@ -617,7 +617,7 @@ def _full_sequence_logprobs(model, prompts, completions, g):
     return _logprobs_of(logits, completions)
 
 
-def _vocab_size(model: nn.Module, head, completions: mx.array) -> int:
+def vocab_size_of(model: nn.Module, head, completions: mx.array) -> int:
     args = getattr(model, "args", None)
     if args is not None and getattr(args, "vocab_size", None):
         return int(args.vocab_size)

@@ -87,7 +87,7 @@ def test_log_softmax_and_entropy_match_float64():
 
 @pytest.mark.parametrize("head_kind", ["frozen-linear", "frozen-embedding", "trained-linear"])
 def test_output_head_in_chunks_gives_log_softmax_values_and_gradients(head_kind):
-    """_head_logprobs in 8 chunks (the last one short) against float64 NumPy: the
+    """head_logprobs in 8 chunks (the last one short) against float64 NumPy: the
     log-probs, and the gradients of sum w * log p with respect to the hidden states
     (w_i (W[y_i] - p_i W)) and, for a head that trains, its weight. A frozen plain head
     takes the chunked path that yields each chunk's gradient with its forward
@@ -97,7 +97,7 @@ def test_output_head_in_chunks_gives_log_softmax_values_and_gradients(head_kind)
     import mlx.nn as nn
     from conftest import assert_f32_close
 
-    from mlx_grpo.logprobs import _frozen_head_weight, _head_logprobs
+    from mlx_grpo.logprobs import _frozen_head_weight, head_logprobs
 
     rng = np.random.default_rng(4)
     v, d, m = 4096, 32, 37
@@ -114,7 +114,7 @@ def test_output_head_in_chunks_gives_log_softmax_values_and_gradients(head_kind)
 
     def loss(params, h):
         module.update(params)
-        lp, _ = _head_logprobs(head, h, mx.array(targets), 5 * v, v)
+        lp, _ = head_logprobs(head, h, mx.array(targets), 5 * v, v)
         return (lp * mx.array(w)).sum(), lp
 
     params = module.trainable_parameters()  # {} for a frozen head

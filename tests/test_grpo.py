@@ -29,10 +29,10 @@ from mlx_grpo.logprobs import (
     SPARSE_HEAD_SHARE,
     _packable,
     _Packed,
-    _splittable,
     completion_logprobs,
     effective_lengths,
     shared_inputs,
+    splittable,
 )
 from mlx_grpo.models import (
     adapters_disabled,
@@ -343,7 +343,7 @@ def test_logprob_gradients_equal_full_passes_through_mlx_log_softmax(tiny_lp):
     log-softmax) gives the values and gradients of G full passes of the model through
     MLX's own logsumexp and its chain rule."""
     model, _ = tiny_lp
-    assert _splittable(model)  # the shared-prompt path is the one under test
+    assert splittable(model)  # the shared-prompt path is the one under test
     apply_lora(model, LoRAConfig(rank=4), seed=5)
     _randomize_lora_b(model)
     prompts, comp, weights, mask = _weighted_groups(seed=5)
@@ -423,7 +423,7 @@ def test_a_model_the_split_passes_cannot_take_runs_full_sequences_alike(tiny, mo
         ran.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(logprobs, "_splittable", lambda m: False)
+    monkeypatch.setattr(logprobs, "splittable", lambda m: False)
     monkeypatch.setattr(logprobs, "_full_sequence_logprobs", counted)
     (v_full, (lp_full, ent_full)), g_full = nn.value_and_grad(model, weighted)(model)
     assert ran and no_gradient(model)
