@@ -241,7 +241,9 @@ def uncompared_turns(
     that no above-average episode of its group was there to be compared with: none of
     them had played the same tokens up to the reply's start. What
     `credit.blame_replies="compared"` leaves out of the loss; a group's first replies all
-    start from its prompt, so they always stay.
+    start from its prompt, so they always stay, and so does a reply its environment
+    marked ill-formed (`ill_formed_turns`): it is wrong whatever a better episode did,
+    and left out it would grow unchecked in the states no success reached.
 
     >>> ok = Completion(0, [1, 2, 9, 3, 4], "", "stop", [1, 1, 0, 1, 1])
     >>> near = Completion(0, [1, 2, 9, 5, 6], "", "stop", [1, 1, 0, 1, 1])
@@ -257,7 +259,10 @@ def uncompared_turns(
             c = comps[r]
             if advantages[r] >= 0 or c.loss_mask is None:
                 continue
+            wrong = set(ill_formed_turns(c))
             for start, end in turn_spans(c.loss_mask):
+                if (start, end) in wrong:
+                    continue
                 if not any(t[:start] == c.tokens[:start] for t in ahead if len(t) > start):
                     out.append((r, (start, end)))
     return out

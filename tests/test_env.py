@@ -548,8 +548,10 @@ def test_a_below_average_episode_keeps_only_the_replies_an_above_average_one_was
 ):
     """credit.blame_replies="compared": a reply of an episode with a negative advantage
     stays in the loss only if an episode of its group with a positive advantage made the
-    same earlier moves and played on from there; the reference here reads the episodes'
-    actions, not their tokens. Episodes with a positive advantage keep every reply."""
+    same earlier moves and played on from there, or if its environment marked it
+    ill-formed (wrong whatever a better episode did); the reference here reads the
+    episodes' actions and the toy's format rule (a reply of 4 characters or more), not
+    their tokens. Episodes with a positive advantage keep every reply."""
     import copy
 
     from mlx_grpo.credit import uncompared_turns
@@ -562,12 +564,16 @@ def test_a_below_average_episode_keeps_only_the_replies_an_above_average_one_was
     twin.tokens[a] = (twin.tokens[a] + 1) % 200
     twin.episode.actions[-1] += " otherwise"
     comps[9] = twin
+    # The tiny model's replies are long (ill-formed in the toy): every other episode's
+    # are marked well-formed, so that both kinds of reply meet the rule.
+    for c in comps[1::2]:
+        c.episode.results = [r._replace(info={**r.info, "format": True}) for r in c.episode.results]
     signs = np.where(np.arange(24) % 4 == 0, 1.0, -1.0).astype(np.float32)  # 4k up
     kept = np.array(build_loss_inputs(rollout, mx.array(signs), 18, False).mask)
     cut = np.array(
         build_loss_inputs(rollout, mx.array(signs), 18, False, blame_replies="compared").mask
     )
-    left_out = 0
+    left_out = kept_ill_formed = 0
     for i, c in enumerate(comps):
         expected = kept[i].copy()
         ups = [comps[j].episode.actions for j in range(i - i % 4, i - i % 4 + 4) if signs[j] > 0]
@@ -575,9 +581,13 @@ def test_a_below_average_episode_keeps_only_the_replies_an_above_average_one_was
         for k, (lo, hi) in enumerate(_runs(c.loss_mask)):
             seen = any(u[:k] == acts[:k] and len(u) > k for u in ups)
             if signs[i] < 0 and not seen:
-                expected[lo:hi] = 0.0
-                left_out += 1
+                if c.episode.results[k].info["format"] is False:  # blamed all the same
+                    kept_ill_formed += 1
+                else:
+                    expected[lo:hi] = 0.0
+                    left_out += 1
         assert cut[i].tolist() == expected.tolist(), i
     assert left_out == len(uncompared_turns(comps, signs, 4)) > 0
+    assert kept_ill_formed > 0
     assert cut[9].tolist() == kept[9].tolist()  # the twin keeps all three replies
     assert any(c.episode.turns > 1 and signs[i] < 0 for i, c in enumerate(comps))
