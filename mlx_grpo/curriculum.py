@@ -166,8 +166,9 @@ class LearnabilityCurriculum:
         self.retired: set[str] = set()
         self.value = dict.fromkeys(self.levels, 0.5)  # optimistic: every level gets tried
         self.level_mean: dict[int, float] = {}
-        self.last: list[Task] = []
-        self.last_replayed = 0
+        self.last: list[Task] = []  # this step's tasks, over all its waves
+        self.replayed: set[str] = set()  # the ids of those that were replayed
+        self.heard = True  # update() came after the last sample(): the next starts a step
         self.last_flat = (0.0, 0.0)  # share of replayed / new groups whose rewards were equal
 
     # -- selection --------------------------------------------------------------------
@@ -177,13 +178,19 @@ class LearnabilityCurriculum:
         return self.levels[lo : self.top + 1]
 
     def sample(self, n: int) -> list[Task]:
-        self.step += 1
+        """`n` tasks. The calls between two `update`s are one step's waves
+        (`curriculum.max_waves`): no task comes twice in a step, and staleness counts
+        steps."""
+        if self.heard:
+            self.step += 1
+            self.heard, self.last, self.replayed = False, [], set()
+        taken = {t.id for t in self.last}
         floor = self.cfg.replay_min_score
-        replayable = [t for t, e in self.buffer.items() if e[0] > floor]
+        replayable = [t for t, e in self.buffer.items() if e[0] > floor and t not in taken]
         k = int(self.rng.binomial(n, self.cfg.replay_prob))
         k = min(k, len(replayable))
         picked = self._replay(replayable, k) if k else []
-        chosen = set(picked)
+        chosen = set(picked) | taken
         for _ in range(n - k):
             tid = self._new_task(chosen)
             if tid is None:  # every open task is in the buffer, retired, or taken
@@ -197,9 +204,10 @@ class LearnabilityCurriculum:
                 tid = self._replay(rest, 1)[0]
             chosen.add(tid)
             picked.append(tid)
-        self.last = [self.by_id[t] for t in picked]
-        self.last_replayed = k
-        return self.last
+        self.replayed.update(picked[:k])
+        wave = [self.by_id[t] for t in picked]
+        self.last += wave
+        return wave
 
     def replay_probs(self, ids: list[str]) -> np.ndarray:
         """PLR: (1 - staleness) * rank priority of the score + staleness * age."""
@@ -250,8 +258,8 @@ class LearnabilityCurriculum:
     def update(self, tasks: list[Task], group_rewards: list[list[float]]) -> None:
         a = self.cfg.score_ema
         flat = [float(np.ptp(rewards)) <= 1e-8 for rewards in group_rewards]
-        replayed = {t.id for t in self.last[: self.last_replayed]}  # sample() puts them first
-        was = [t.id in replayed for t in tasks]
+        self.heard = True
+        was = [t.id in self.replayed for t in tasks]
         old = [f for f, w in zip(flat, was) if w]
         new = [f for f, w in zip(flat, was) if not w]
         self.last_flat = (
@@ -290,7 +298,7 @@ class LearnabilityCurriculum:
     def metrics(self) -> dict:
         scores = [e[0] for e in self.buffer.values()]
         return {
-            "curriculum/replay_frac": self.last_replayed / max(len(self.last), 1),
+            "curriculum/replay_frac": len(self.replayed) / max(len(self.last), 1),
             # Where the groups without signal come from: tasks replayed for their
             # variance that came back all-equal, or new tasks.
             "curriculum/replay_zero_variance_frac": self.last_flat[0],

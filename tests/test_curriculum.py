@@ -53,7 +53,7 @@ def test_replays_mixed_reward_tasks_and_retires_mastered_ones():
     rng, replayed = np.random.default_rng(0), Counter()
     for _ in range(150):
         tasks = cur.sample(4)
-        replayed.update(_kind(t) for t in tasks[: cur.last_replayed])  # replays come first
+        replayed.update(_kind(t) for t in tasks if t.id in cur.replayed)
         cur.update(tasks, [_group(t, rng) for t in tasks])
     # Scores: variance of the group, smoothed; zero for the all-0 tasks.
     for tid, (score, *_rest) in cur.buffer.items():
@@ -85,6 +85,31 @@ def test_an_epoch_that_ends_mid_step_repeats_no_task_in_the_step(strategy):
     steps = [drawn[i : i + 4] for i in range(0, len(drawn), 4)]
     assert all(len(set(step)) == 4 for step in steps), steps
     assert Counter(drawn) == dict.fromkeys((t.id for t in tasks), 20)
+
+
+def test_the_waves_of_one_step_share_its_replays_and_its_staleness():
+    """A step that rolls out several waves (`curriculum.max_waves`) calls sample() once
+    per wave before it updates: no task comes twice in the step (the greediest replay
+    would otherwise draw its top task in every wave), the replayed ones are told apart
+    in update(), and staleness counts steps, not waves."""
+    cfg = CurriculumConfig(start_levels=3, buffer_size=50, rank_temperature=0.05)
+    cur = LearnabilityCurriculum(_tasks(), cfg, seed=0)
+    rng = np.random.default_rng(0)
+    _run(cur, 10)  # a buffer of scored mixed tasks
+    top = max(cur.buffer, key=lambda t: cur.buffer[t][0])
+    for step in range(11, 31):
+        waves = [cur.sample(4) for _ in range(3)]
+        ids = [t.id for wave in waves for t in wave]
+        assert len(set(ids)) == len(ids), step
+        assert cur.step == step
+        assert [t.id for t in cur.last] == ids
+        assert cur.replayed <= set(ids) and cur.replayed <= set(cur.buffer)
+        tasks = [t for wave in waves for t in wave]
+        cur.update(tasks, [_group(t, rng) for t in tasks])
+        assert all(cur.buffer[t][1] == step for t in ids if t in cur.buffer)
+    assert top  # the buffer had a top task to repeat
+    metrics = cur.metrics()
+    assert metrics["curriculum/replay_frac"] == len(cur.replayed) / 12
 
 
 def test_replay_probability_follows_rank_and_staleness():
@@ -182,12 +207,12 @@ def test_tasks_that_gave_no_gradient_are_not_replayed():
     cfg = CurriculumConfig(start_levels=3, replay_prob=1.0)
     cur = LearnabilityCurriculum(_tasks(), cfg, seed=0)
     zeros = _run(cur, 5, rewards=lambda t, rng: [0.0] * 8)
-    assert len(cur.buffer) == 20 and cur.last_replayed == 0
+    assert len(cur.buffer) == 20 and not cur.replayed
     assert len({t.id for batch in zeros for t in batch}) == 20  # nothing drawn twice
     tasks = cur.sample(4)  # one learnable group: from now on it is replayed
     cur.update(tasks, [[0.0, 1.0] * 4] + [[0.0] * 8] * 3)
     again = cur.sample(4)
-    assert again[0].id == tasks[0].id and cur.last_replayed == 1
+    assert again[0].id == tasks[0].id and cur.replayed == {tasks[0].id}
     # The replayed task comes back all-equal, one of the three new ones mixed: the log
     # tells the two sources of groups without signal apart.
     cur.update(again, [[1.0] * 8, [0.0, 1.0] * 4, [0.0] * 8, [0.5] * 8])
