@@ -41,9 +41,10 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def share(self, n: int) -> range:
-        """The contiguous indices of n items (groups) this rank owns."""
-        return range(self.rank * n // self.size, (self.rank + 1) * n // self.size)
+    def share(self, n: int, rank: int | None = None) -> range:
+        """The contiguous indices of n items (groups) this rank (or `rank`) owns."""
+        r = self.rank if rank is None else rank
+        return range(r * n // self.size, (r + 1) * n // self.size)
 
     def all_sum(self, x: mx.array) -> mx.array:
         return x if self.size == 1 else mx.distributed.all_sum(x, group=self.group)

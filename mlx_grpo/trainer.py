@@ -265,10 +265,9 @@ def _join_waves(waves: list[tuple], dist: Dist, signal: int, gather_s: float) ->
     tasks, starts, shares = [], [], []
     for rank in range(dist.size):
         for wave_tasks, wave_starts, *_ in waves:
-            n = len(wave_tasks)
-            own = slice(rank * n // dist.size, (rank + 1) * n // dist.size)  # (`Dist.share`)
-            tasks += wave_tasks[own]
-            starts += wave_starts[own]
+            own = dist.share(len(wave_tasks), rank)
+            tasks += wave_tasks[own.start : own.stop]
+            starts += wave_starts[own.start : own.stop]
         shares.append(_join_shares([w[3][rank] for w in waves]))
     lo = sum(len(sh["records"]) for sh in shares[: dist.rank])
     records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]

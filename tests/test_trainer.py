@@ -396,7 +396,9 @@ def test_waves_join_rank_by_rank():
         ]
         return tasks, [[] for _ in tasks], Rollout([[1], [2]], comps, g), shares
 
-    dist = SimpleNamespace(rank=1, size=2)
+    from mlx_grpo.dist import Dist
+
+    dist = Dist(SimpleNamespace(rank=lambda: 1, size=lambda: 2))  # rank 1 of 2, no launch
     got = trainer_mod._join_waves([wave("a"), wave("b")], dist, signal=3, gather_s=0.5)
     assert got.tasks == ["a0", "b0", "a1", "a2", "b1", "b2"]
     assert got.mine == range(2, 6) and len(got.rollout.prompts) == 4
