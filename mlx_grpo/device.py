@@ -1,6 +1,7 @@
 """The one device seam: what the rest of mlx-grpo asks of the machine it runs on.
 
-On a GPU (Metal, CUDA) MLX's own ops are the fast ones, and nothing here changes them.
+On a GPU (Metal, CUDA) MLX's own ops are the fast ones, and nothing here changes them;
+on Metal the training keeps its memory wired as mlx_lm's trainer does (`wire_memory`).
 On a Linux CPU, MLX's wheel needs help to be fast: a BLAS loaded before MLX, native
 attention and SwiGLU ops, vectorised exp and reductions, its allocator kept from
 handing memory back, the update in two lanes. All of that is `mlx_grpo.cpu`, and this
@@ -9,6 +10,7 @@ Linux CPU: on Metal or CUDA none of its modules is imported.
 
   prepare_process()     before MLX is loaded (`import mlx_grpo`): fast BLAS, eval width
   prepare_training()    before the training loop or an evaluation: the allocator
+                        (Linux CPU), Metal's wired-memory limit (`wire_memory`)
   adapt_model(model)    this device's attention and MLP in the model's blocks
   packs_rows(model)     whether the model runs the packed pass (`logprobs._Packed`)
   cpu_kernels()         the CPU's ops for `mlx_grpo.fastmath`, or None on a GPU
@@ -65,12 +67,32 @@ def prepare_training() -> bool:
     """Before the training loop, and before each batch of evaluation episodes: on a
     Linux CPU, glibc's allocator keeps the memory it frees (`cpu.allocator`: MLX frees
     and allocates the same buffers every step, and memory handed back comes again as
-    fresh pages). Returns whether it applied; False elsewhere."""
+    fresh pages); on Metal, the wired-memory limit (`wire_memory`). Returns whether
+    either applied; False elsewhere."""
+    wired = wire_memory() is not None
     if not linux_cpu():
-        return False
+        return wired
     from mlx_grpo.cpu.allocator import keep_freed_memory
 
-    return keep_freed_memory()
+    return keep_freed_memory() or wired
+
+
+def wire_memory() -> int | None:
+    """On Metal, the wired-memory limit raised to the GPU's recommended working set, as
+    mlx_lm's trainer does (`maybe_set_recommended_wired_limit`): memory up to it stays
+    resident, so that a model near the machine's size is not paged out between steps
+    (macOS 15 and later act on the limit; it is kept for the process). Returns the
+    limit set, or None where Metal is unavailable or names no working set (a Linux
+    CPU, CUDA)."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return None
+    limit = mx.device_info().get("max_recommended_working_set_size")
+    if not limit:
+        return None
+    mx.set_wired_limit(limit)
+    return limit
 
 
 def adapt_model(model) -> int:

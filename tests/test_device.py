@@ -53,6 +53,7 @@ print(json.dumps({
     "adapted": device.adapt_model(model),
     "packs_rows": device.packs_rows(model),
     "prepared": device.prepare_training(),
+    "metal": mx.metal.is_available(),
     "lanes": device.update_lanes(None).n,
     "blas": device.blas_in_use(),
     "library": device.blas_library(),
@@ -101,7 +102,7 @@ def test_on_a_gpu_nothing_of_the_cpu_layer_is_imported(tiny_model_dir):
     assert out["cpu_modules"] == []
     assert out["linux_cpu"] is False
     assert out["adapted"] == 0 and out["packs_rows"] is False
-    assert out["prepared"] is False and out["lanes"] == 1
+    assert out["prepared"] is out["metal"] and out["lanes"] == 1  # (Metal: memory wired)
     assert out["blas"] == ("MLX built-in BLAS" if LINUX else "Accelerate")
     assert out["library"] is None and out["native"] is False
     assert out["exp_is_mlx"] and out["finite"]
@@ -118,6 +119,7 @@ def test_off_a_linux_cpu_the_ops_are_mlxs_and_mlx_lms_own(monkeypatch):
     """`fastmath`'s ops where the seam finds no Linux CPU: exactly MLX's and mlx_lm's
     (the native ones None), whatever the dtype."""
     monkeypatch.setattr(device, "linux_cpu", lambda: False)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     assert device.cpu_kernels() is None
     rng = np.random.default_rng(0)
     x = mx.array(rng.normal(size=(4, 512)).astype(np.float32))
@@ -157,3 +159,55 @@ def test_on_a_linux_cpu_the_cpu_layer_is_in_use(tiny):
     assert all(layers.attends_through_cache(layer.self_attn) for layer in model.layers)
     assert device.blas_in_use() == blas.blas_in_use()
     assert os.environ.get("MLX_BFS_MAX_WIDTH") is not None
+
+
+GiB = 2**30
+
+
+@pytest.fixture
+def wired(monkeypatch):
+    """mlx's wired-limit call recorded instead of made, on a machine described by the
+    test (`metal`, `info`), as `mx.metal.is_available` and `mx.device_info` say."""
+    calls: list[int] = []
+    machine = {"metal": True, "info": {}}
+    monkeypatch.setattr(mx.metal, "is_available", lambda: machine["metal"])
+    monkeypatch.setattr(mx, "device_info", lambda: dict(machine["info"]))
+    monkeypatch.setattr(mx, "set_wired_limit", lambda limit: calls.append(limit) or 0)
+    return machine, calls
+
+
+def test_on_metal_the_wired_limit_is_the_recommended_working_set_as_mlx_lm_sets_it(
+    wired, monkeypatch
+):
+    """A 32 GB Mac whose GPU may keep ~21 GiB resident: that is the limit, as mlx_lm's
+    `maybe_set_recommended_wired_limit` chooses, and the training step asks for it."""
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+    machine, calls = wired
+    machine["info"] = {
+        "architecture": "applegpu_g15s",
+        "memory_size": 32 * GiB,
+        "max_recommended_working_set_size": 22_906_503_168,
+    }
+    assert device.wire_memory() == 22_906_503_168
+    maybe_set_recommended_wired_limit()
+    assert calls == [22_906_503_168, 22_906_503_168]  # ours, then mlx_lm's: the same
+    calls.clear()
+    monkeypatch.setattr(device, "linux_cpu", lambda: False)  # (a Mac: the wiring alone)
+    assert device.prepare_training() is True
+    assert calls == [22_906_503_168]
+
+
+@pytest.mark.parametrize(
+    ("metal", "info"),
+    [
+        (False, {"architecture": "x86_64", "device_name": "AMD EPYC"}),  # a Linux CPU
+        (False, {"max_recommended_working_set_size": 8 * GiB}),  # Metal absent: not asked
+        (True, {"architecture": "applegpu"}),  # a Metal device naming no working set
+    ],
+)
+def test_without_metal_or_a_recommended_size_nothing_is_wired(wired, metal, info):
+    machine, calls = wired
+    machine.update(metal=metal, info=info)
+    assert device.wire_memory() is None
+    assert calls == []
