@@ -266,6 +266,10 @@ def test_any_type_by_name_and_clear_errors():
         make_tasks("eval", 2, 0, train_types=["click-test"] * 16)
 
 
+@pytest.mark.skipif(
+    sys.platform == "darwin",
+    reason="macOS finds Google Chrome in /Applications whatever PATH holds",
+)
 def test_no_browser_is_one_line_saying_what_to_install(monkeypatch):
     from mlx_grpo.config import ConfigError
 
@@ -458,6 +462,9 @@ def _comm(pid: int) -> str:
         ("import time; time.sleep(600)", -signal.SIGKILL),  # killed with kill -9
     ],
 )
+@pytest.mark.skipif(
+    sys.platform == "darwin", reason="finds the browser's processes by name in /proc (Linux)"
+)
 def test_no_browser_outlives_its_process(then, code):
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD.format(root=str(ROOT), then=then)],
@@ -477,6 +484,9 @@ def test_no_browser_outlives_its_process(then, code):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    sys.platform == "darwin", reason="finds the browser's processes by name in /proc (Linux)"
+)
 def test_two_training_steps_in_a_real_browser_then_kill_9_leaves_no_browser(tmp_path):
     cmd = [
         sys.executable, "-m", "mlx_grpo", "train", "--recipe", "miniwob",
