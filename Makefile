@@ -141,8 +141,9 @@ clean-venv:
 #   BLAS"); without one MLX's own ops run them, slower.
 # - Chromium and chromedriver for the miniwob recipe (nothing else needs a browser).
 # macOS needs none of the first two (MLX computes on Metal, with Accelerate for its CPU
-# ops), and nothing here installs with Homebrew: a Mac's packages are its owner's, so the
-# recipe names what to install (docs/macos.md).
+# ops). There the recipe names what to install and runs no Homebrew: brew runs as the
+# Mac's user, not as the root that apt needs, and a browser cask is the owner's choice
+# (docs/macos.md).
 ifeq ($(UNAME_S),Darwin)
 system-deps:
 	@# The code recipe's sandbox is sandbox-exec, part of macOS (mlx_grpo/sandbox.py).
