@@ -81,6 +81,8 @@ UNSHARE = 0x40000000 | 0x08000000
 def _confine(job):
     for name in PRELOAD:
         __import__(name)
+    if job.get("scratch"):
+        _bound_scratch(job["scratch"]["paths"], job["scratch"]["inodes"])
     if job.get("netns"):
         import ctypes  # loaded before the audit hook, which refuses ctypes afterwards
 
@@ -116,34 +118,42 @@ def _confine(job):
 # state the namespaces do not separate answer EPERM: the kernel keyrings (the trainer's
 # session keyring, and a slot uid's user keyring that would outlive the job), bpf,
 # perf_event_open, userfaultfd, io_uring, other processes' memory and descriptors
-# (process_vm_*, pidfd_getfd), and new System V
+# (process_vm_*, pidfd_getfd), new System V
 # and POSIX IPC objects (shmget, semget, msgget, mq_open: memory no rlimit counts,
-# which outlives the job where the IPC namespace is the host's). A socket or socket
+# which outlives the job where the IPC namespace is the host's), and file locks and
+# leases (flock, fcntl's F_SETLK, F_OFD_SETLK, F_SETLEASE): the runtime's files are the
+# host's own, bind-mounted, and share its lock state, so a lock taken inside would
+# block the host (and signal a concurrent sandbox) until the job ends. A socket or socket
 # pair of a family other than unix, IPv4 and IPv6 (which the network namespace holds)
 # answers EAFNOSUPPORT: vsock shares the host's port space, netlink and packet sockets
 # reach the kernel's own.
-_SYSCALLS = {  # machine: (AUDIT_ARCH, killed, denied, (socket, socketpair), clone, clone3, x32 bit)
+_SYSCALLS = {  # machine: (AUDIT_ARCH, killed, denied, (socket, socketpair), clone, clone3, x32 bit, fcntl)
     "x86_64": (
         0xC000003E,
         (57, 58, 59, 322, 101, 272, 308),
-        (248, 249, 250, 321, 298, 323, 425, 426, 427, 310, 311, 438, 29, 64, 68, 240),
+        (248, 249, 250, 321, 298, 323, 425, 426, 427, 310, 311, 438, 29, 64, 68, 240, 73),
         (41, 53),
         56,
         435,
         0x40000000,
+        72,
     ),
     "aarch64": (
         0xC00000B7,
         (221, 281, 117, 97, 268),
-        (217, 218, 219, 280, 241, 282, 425, 426, 427, 270, 271, 438, 194, 190, 186, 180),
+        (217, 218, 219, 280, 241, 282, 425, 426, 427, 270, 271, 438, 194, 190, 186, 180, 32),
         (198, 199),
         220,
         435,
         None,
+        25,
     ),
 }
 _CLONE_THREAD = 0x10000
 _SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
+# fcntl commands that take a lock or a lease: F_SETLK, F_SETLKW, F_OFD_SETLK,
+# F_OFD_SETLKW, F_SETLEASE.
+_FCNTL_LOCKS = (6, 7, 37, 38, 1024)
 
 
 def _seccomp_program(machine):
@@ -152,7 +162,7 @@ def _seccomp_program(machine):
 
     if machine not in _SYSCALLS:
         return None
-    arch, killed, denied, sockets, clone, clone3, x32 = _SYSCALLS[machine]
+    arch, killed, denied, sockets, clone, clone3, x32, fcntl = _SYSCALLS[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     kill, allow, errno_ret = 0x80000000, 0x7FFF0000, 0x00050000
     # (label, (code, label if true, label if false, k)); labels become jump offsets.
@@ -164,6 +174,10 @@ def _seccomp_program(machine):
     insns += [(None, (jeq, "eperm", None, nr)) for nr in denied]
     insns += [(None, (jeq, "socket", None, nr)) for nr in sockets]
     insns += [(None, (jeq, "clone", None, clone)), (None, (jeq, "nosys", None, clone3))]
+    insns.append((None, (jeq, "fcntl", None, fcntl)))
+    insns.append((None, (ret, None, None, allow)))
+    insns.append(("fcntl", (ld, None, None, 24)))  # the low half of the command argument
+    insns += [(None, (jeq, "eperm", None, cmd)) for cmd in _FCNTL_LOCKS]
     insns.append((None, (ret, None, None, allow)))
     insns.append(("clone", (ld, None, None, 16)))  # the low half of the flags argument
     insns.append((None, (jset, "eagain", "kill", _CLONE_THREAD)))
@@ -200,6 +214,20 @@ def _seccomp():
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         return False
     return libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0  # PR_SET_SECCOMP, FILTER
+
+
+def _bound_scratch(paths, inodes):
+    """Remount the private tmpfs mounts at `paths` with at most `inodes` files each (their
+    size stays): as root under bubblewrap, in this process's own mount namespace, before
+    dropping to the slot uid. Exit status 96 where the kernel refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = 32 | 2 | 4  # MS_REMOUNT | MS_NOSUID | MS_NODEV (bubblewrap's, kept)
+    for path in paths:
+        if libc.mount(None, path.encode(), None, flags, f"nr_inodes={inodes}".encode()) != 0:
+            os.write(2, f"sandbox: could not bound the inodes of {path}\n".encode())
+            os._exit(96)
 
 
 def _limit(res, soft, hard=None, optional=False):

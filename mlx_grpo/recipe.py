@@ -13,13 +13,20 @@ Rewards come from `tasks.py` (when it defines one) and from the functions named 
     reward(task: Task, completion: str) -> float | dict[str, float]
     reward_batch(tasks: list[Task], groups: list[list[str]]) -> list[list[dict]]
         (optional, preferred when present: one call per step with every group's G
-        completions, for rewards that run in parallel or compare samples in a group)
+        completions, for rewards that run in parallel or compare samples in a group;
+        one that also takes `deadline=` gets the time.monotonic() by which to return,
+        scoring what finished, so that a slow completion costs only its own score)
 
 `recipe.rewards` maps a component name to "module:function" or "file.py:function"
 (relative to the recipe folder). Such a function has the signature above, or TRL's
 `f(completions: list[str], **kwargs) -> list[float]`, called once per step with
 `prompts` (each task's messages), `task_ids`, `levels` and every payload field as
 per-completion lists. A function returning a dict contributes each of its keys.
+
+Each call is bounded by recipe.reward_timeout_s: a per-completion call that passes it
+costs that completion (0, fail/timeout); a batch call (reward_batch without `deadline`,
+TRL-style) that passes it costs the whole step's completions, with one warning naming
+the recipe.
 
 Multi-turn recipes (see mlx_grpo/env.py) add `make_env(task) -> Env`, and their
 `reward(task, episode)` receives the Episode.
@@ -43,6 +50,7 @@ import math
 import random
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -211,7 +219,7 @@ class Recipe:
             for i, out in enumerate(self._module_rewards(tasks, groups)):
                 parts[i].append(out)
         for name, fn in self.reward_fns.items():
-            for i, out in enumerate(_call_reward(fn, name, flat, self.reward_timeout_s)):
+            for i, out in enumerate(_call_reward(fn, name, flat, self.reward_timeout_s, self.name)):
                 parts[i].append(out)
         scored = [self._weigh(p) for p in parts]
         out, i = [], 0
@@ -231,16 +239,23 @@ class Recipe:
 
     def _module_rewards(self, tasks, groups) -> list[dict | Exception]:
         batch = getattr(self.module, "reward_batch", None)
+        n = sum(len(g) for g in groups)
         if callable(batch):
+            call, timeout_s = lambda: batch(tasks, groups), self.reward_timeout_s
+            if _takes_deadline(batch):  # it keeps what finished: give it the time less a margin
+                deadline = time.monotonic() + timeout_s - min(DEADLINE_MARGIN_S, timeout_s / 10)
+                call = lambda: batch(tasks, groups, deadline=deadline)  # noqa: E731
             try:
-                res = bounded(lambda: batch(tasks, groups), self.reward_timeout_s, "reward_batch")
+                res = bounded(call, timeout_s, "reward_batch")
                 if [len(r) for r in res] != [len(g) for g in groups]:
                     raise ValueError("reward_batch returned a different shape than its groups")
                 return [r for rs in res for r in rs]
             except Exception as e:
-                return [e] * sum(len(g) for g in groups)
+                if isinstance(e, RewardTimeout):
+                    warn_batch_timeout(self.name, "reward_batch", n, timeout_s)
+                return [e] * n
         flat = [(t, c) for t, g in zip(tasks, groups) for c in g]
-        return _call_reward(self.module.reward, "reward", flat, self.reward_timeout_s)
+        return _call_reward(self.module.reward, "reward", flat, self.reward_timeout_s, self.name)
 
     def _weigh(self, parts: list) -> Scored:
         errors = [p for p in parts if isinstance(p, Exception)]
@@ -290,6 +305,32 @@ class RewardTimeout(RuntimeError):
     """A reward function gave no result within recipe.reward_timeout_s."""
 
 
+# What a reward_batch that takes `deadline` is left for its own work after the deadline
+# (at most a tenth of reward_timeout_s): it must return before the batch is given up.
+DEADLINE_MARGIN_S = 5.0
+
+
+def _takes_deadline(fn) -> bool:
+    """Whether `fn` accepts a `deadline` keyword (a time.monotonic() value by which it
+    returns, keeping the completions that finished)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "deadline" in params
+
+
+def warn_batch_timeout(recipe: str, what: str, n: int, timeout_s: float) -> None:
+    """One line on stderr when a batch reward is given up as a whole: every completion
+    of the step scores 0 (fail/timeout), the quick ones too."""
+    print(
+        f"warning: recipe {recipe}: {what} gave no result in {timeout_s:g} s "
+        f"(recipe.reward_timeout_s); all {n} completions of this step score 0 as "
+        "fail/timeout (a reward_batch that takes `deadline` keeps the ones that finished)",
+        file=sys.stderr,
+    )
+
+
 def bounded(call: Callable[[], Any], timeout_s: float, what: str):
     """`call()`'s result, or RewardTimeout after `timeout_s` seconds. The call runs in a
     daemon thread, which is abandoned on timeout (Python cannot stop a thread; it no
@@ -313,11 +354,12 @@ def bounded(call: Callable[[], Any], timeout_s: float, what: str):
 
 
 def _call_reward(
-    fn, name: str, flat: list[tuple[Task, Any]], timeout_s: float = 120.0
+    fn, name: str, flat: list[tuple[Task, Any]], timeout_s: float = 120.0, recipe: str = "?"
 ) -> list[dict | Exception]:
     """`fn` on every (task, completion): per completion, or once for a TRL-style
     `f(completions, **kwargs)`; each result as a dict of components, or the exception
-    (RewardTimeout for a call that took longer than `timeout_s`)."""
+    (RewardTimeout for a call that took longer than `timeout_s`: a TRL-style call
+    times out as a whole, with one warning naming `recipe`)."""
     if _is_trl(fn):
         try:
             keys = sorted({k for t, _ in flat for k in t.payload})
@@ -340,6 +382,8 @@ def _call_reward(
                 )
             return [_as_components(name, v) for v in values]
         except Exception as e:
+            if isinstance(e, RewardTimeout):
+                warn_batch_timeout(recipe, name, len(flat), timeout_s)
             return [e] * len(flat)
     out: list[dict | Exception] = []
     for task, completion in flat:

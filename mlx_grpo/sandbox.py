@@ -79,6 +79,8 @@ ISOLATION = ("strong", "weak")
 # _sandbox_child._SYSCALLS); elsewhere RLIMIT_NPROC alone bounds processes.
 SECCOMP_MACHINES = ("x86_64", "aarch64")
 WORKDIR = "/work"  # the program's working directory inside bubblewrap
+SCRATCH = ("/dev/shm", "/tmp", WORKDIR)  # the private tmpfs mounts a program may write
+HOSTNAME = "sandbox"  # the name a program sees inside bubblewrap (its own UTS namespace)
 CHILD_INSIDE = "/sandbox/child.py"
 
 
@@ -99,6 +101,9 @@ class Limits:
     repr_chars: int = 10_000  # longest repr of one returned value
     nproc: int = 0  # processes and threads the program may start besides itself
     scratch_bytes: int = 16 * 2**20  # each tmpfs (working dir, /tmp, /dev/shm), strong level
+    # Files and folders in each of them (strong level as root): an inode's kernel memory
+    # is outside the size limit (100,000 empty files: 136 MiB of the host's).
+    scratch_inodes: int = 1024
 
 
 @dataclass(frozen=True)
@@ -302,6 +307,7 @@ def _bwrap_argv(bwrap: str, lim: Limits, root: bool) -> list[str]:
     otherwise an unprivileged user namespace, in which no further one may be made."""
     exe, binds, hidden = _runtime()
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+    argv += ["--hostname", HOSTNAME]  # the host's name is none of the program's business
     # No --new-session: Popen's start_new_session already leaves no controlling
     # terminal, and staying in bubblewrap's process group lets one killpg (the job's end,
     # the tether) reach the program inside the pid namespace too.
@@ -316,8 +322,12 @@ def _bwrap_argv(bwrap: str, lim: Limits, root: bool) -> list[str]:
     for d in hidden:
         argv += ["--perms", "0555", "--size", "4096", "--tmpfs", d]
     argv += ["--ro-bind", str(CHILD), CHILD_INSIDE, "--dev", "/dev"]
-    for d in ("/dev/shm", "/tmp", WORKDIR):
+    for d in SCRATCH:
         argv += ["--perms", "1777", "--size", str(lim.scratch_bytes), "--tmpfs", d]
+    # The root and /dev are tmpfs mounts of bubblewrap's with no size limit, which the
+    # program owns in a user namespace: read-only, the scratch mounts are all it writes.
+    for d in [*hidden, "/dev", "/"]:
+        argv += ["--remount-ro", d]
     return argv + ["--chdir", WORKDIR, exe]
 
 
@@ -443,7 +453,7 @@ class Sandbox:
             self.uids, self._lock_fds = _claim_uids(self.workers)
         self._finalizer = weakref.finalize(self, _release, self._lock_fds)
         self._slots = list(range(self.workers))
-        self._lock = threading.Lock()
+        self._free = threading.Condition()  # a slot given back wakes a job waiting for one
 
     def close(self) -> None:
         """Give the slot uids back (no-op when not root, or already closed)."""
@@ -455,21 +465,37 @@ class Sandbox:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, jobs: list[Job]) -> list[Outcome]:
-        """One Outcome per job, in order; jobs run `workers` at a time."""
+    def run(self, jobs: list[Job], deadline: float | None = None) -> list[Outcome]:
+        """One Outcome per job, in order; jobs run `workers` at a time.
+
+        With `deadline` (a time.monotonic() value) the batch ends by then and each
+        program's time counts only to itself: a program starts with a wall clock of
+        its fair share of the slot time left (`Shares`, at most limits.wall_s), so
+        programs that hang fail as `timeout` each while the others finish as they
+        would alone; a job with no slot by the deadline fails as `timeout` unrun."""
         if not jobs:
             return []
+        shares = Shares(len(jobs), self.workers, self.limits.wall_s, deadline)
         with ThreadPoolExecutor(min(self.workers, len(jobs))) as pool:
-            return list(pool.map(self._run_slot, jobs))
+            return list(pool.map(lambda job: self._run_slot(job, shares), jobs))
 
-    def _run_slot(self, job: Job) -> Outcome:
-        with self._lock:
+    def _run_slot(self, job: Job, shares: Shares) -> Outcome:
+        # Another run (one its caller gave up on, say) may hold slots: wait for one,
+        # never past the deadline.
+        with self._free:
+            if not self._free.wait_for(lambda: self._slots, shares.left()):
+                return Outcome(reason="timeout", detail="no sandbox slot before the deadline")
             slot = self._slots.pop()
         try:
-            return self.run_one(job, slot)
+            wall_s = shares.take()
+            if wall_s is None:
+                return Outcome(reason="timeout", detail="not started before the deadline")
+            return self.run_one(job, slot, wall_s)
         finally:
-            with self._lock:
+            shares.done()
+            with self._free:
                 self._slots.append(slot)
+                self._free.notify()
 
     def _command(self, tmp: str | None) -> tuple[list[str], dict, int]:
         """(argv, environment, RLIMIT_NPROC) of the child. The process limit counts the
@@ -489,8 +515,11 @@ class Sandbox:
             return [SANDBOX_EXEC, "-p", _macos_profile(tmp), exe, *child, str(CHILD)], env, nproc
         return [sys.executable, *child, str(CHILD)], env, nproc
 
-    def run_one(self, job: Job, slot: int = 0) -> Outcome:
+    def run_one(self, job: Job, slot: int = 0, wall_s: float | None = None) -> Outcome:
+        """Run `job` in `slot` (its uid, as root), killed after `wall_s` seconds
+        (default limits.wall_s)."""
         lim = self.limits
+        wall_s = lim.wall_s if wall_s is None else wall_s
         tic = time.perf_counter()
         if self.root and not self._finalizer.alive:
             raise RuntimeError("sandbox: run on a closed Sandbox")
@@ -511,6 +540,13 @@ class Sandbox:
                 "seccomp": _seccomp_here(),
                 "uid": uid,
                 "gid": uid,
+                # Root's child under bubblewrap still holds its capabilities in its own
+                # mount namespace: it can remount its tmpfs with an inode limit before
+                # dropping to the slot uid. (In a user namespace bubblewrap's nested one
+                # owns no mount: no bound there.)
+                "scratch": {"paths": SCRATCH, "inodes": lim.scratch_inodes}
+                if self.tool == "bwrap" and self.root
+                else None,
                 "audit": self.audit,
                 "limits": {
                     "cpu_s": lim.cpu_s,
@@ -532,7 +568,7 @@ class Sandbox:
             )
             tether(proc.pid)  # killed with this process, however it ends
             data, timed_out, overflow = _exchange(
-                proc, json.dumps(payload).encode(), lim.wall_s, lim.result_bytes
+                proc, json.dumps(payload).encode(), wall_s, lim.result_bytes
             )
             rc = proc.returncode
             if self.tool == "bwrap" and rc is not None and rc > 128:
@@ -543,6 +579,8 @@ class Sandbox:
             elapsed = time.perf_counter() - tic
             hard_cpu = not payload["seccomp"] or elapsed >= lim.cpu_s + 1
             out = _outcome(rc, data, timed_out, overflow, len(job.inputs), hard_cpu, lim.repr_chars)
+            if out.reason == "timeout":
+                out.detail = f"wall-clock limit ({wall_s:.3g} s)"
         finally:
             _kill_all(proc, uid)
             if proc is not None:
@@ -551,6 +589,48 @@ class Sandbox:
                 shutil.rmtree(tmp, ignore_errors=True)
         out.seconds = time.perf_counter() - tic
         return out
+
+
+class Shares:
+    """Wall clocks for a batch of `n` jobs on `slots` slots that must end by `deadline`
+    (None: no deadline, every program gets `wall_s`).
+
+    A job starting now gets the slot time left before the deadline, less what the
+    programs running on the other slots may still use, divided among the jobs not yet
+    started (itself included), and at most `wall_s`. Every job is promised at least
+    its fair share whatever ran before it: a program that hangs uses its own share
+    and no one else's, and one that finishes early leaves its time to the rest."""
+
+    def __init__(self, n: int, slots: int, wall_s: float, deadline: float | None):
+        self.pending, self.slots, self.wall_s, self.deadline = n, slots, wall_s, deadline
+        self._ends: dict[int, float] = {}  # pool thread -> when its program is killed
+        self._lock = threading.Lock()
+
+    def left(self) -> float | None:
+        """Seconds to the deadline (None: no deadline), for waits."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def take(self) -> float | None:
+        """The wall clock of the calling thread's job, starting now; None when the
+        deadline has passed."""
+        with self._lock:
+            self.pending -= 1
+            if self.deadline is None:
+                return self.wall_s
+            now = time.monotonic()
+            left = self.deadline - now
+            if left <= 0:
+                return None
+            running = sum(max(0.0, end - now) for end in self._ends.values())
+            share = (self.slots * left - running) / (self.pending + 1)
+            wall_s = min(self.wall_s, left, share)
+            self._ends[threading.get_ident()] = now + wall_s
+            return wall_s
+
+    def done(self) -> None:
+        """The calling thread's program has ended: its slot time is free."""
+        with self._lock:
+            self._ends.pop(threading.get_ident(), None)
 
 
 def _exchange(proc: subprocess.Popen, payload: bytes, wall_s: float, cap: int):
@@ -700,9 +780,11 @@ def _outcome(
             )
         if rc == -signal.SIGSYS:
             return Outcome(reason="process", detail="a process, exec or namespace call (seccomp)")
-        if rc in (97, 98):
-            what = "isolate the network and IPC" if rc == 97 else "install the seccomp filter"
-            return Outcome(reason="crashed", detail=f"could not {what}")
+        if rc in (96, 97, 98):
+            what = {96: "bound the scratch inodes", 97: "isolate the network and IPC"}
+            return Outcome(
+                reason="crashed", detail=f"could not {what.get(rc, 'install the seccomp filter')}"
+            )
         if rc is not None and rc < 0:
             return Outcome(reason="crashed", detail=f"signal {-rc}")
         return Outcome(reason="exited", detail=f"exit status {rc} before reporting")
