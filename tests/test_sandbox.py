@@ -581,6 +581,78 @@ def test_kernel_state_the_namespaces_do_not_separate_is_refused(bare_sandbox):
 
 
 @needs_bwrap
+@pytest.mark.skipif(not SECCOMP, reason="no seccomp filter for this machine")
+def test_a_program_cannot_lock_the_hosts_runtime_files(bare_sandbox):
+    """The runtime is the host's own files, bind-mounted: a lock taken inside would hold
+    the host's (`flock -n` fails) for the program's wall clock. flock, fcntl's record
+    locks and leases answer EPERM; the host locks the files all along."""
+    import fcntl
+
+    hold = (
+        "import fcntl, os, time\ndef f(path):\n    fd = os.open(path, os.O_RDONLY)\n"
+        "    got = []\n"
+        "    for lock in (lambda: fcntl.flock(fd, fcntl.LOCK_EX),\n"
+        "                 lambda: fcntl.lockf(fd, fcntl.LOCK_SH),\n"
+        "                 lambda: fcntl.fcntl(fd, 1024, fcntl.F_RDLCK)):  # F_SETLEASE\n"
+        "        try:\n            lock()\n            got.append('locked')\n"
+        "        except OSError as e:\n            got.append(e.errno)\n"
+        "    time.sleep(1.5)  # held (if taken) while the host tries\n"
+        "    return got"
+    )
+    paths = [os.path.realpath(os.__file__)]
+    paths += [p for p in ("/etc/ld.so.cache",) if os.path.exists(p)]
+    out: list = []
+    worker = threading.Thread(
+        target=lambda: out.extend(bare_sandbox.run([Job(hold, "f", [[p] for p in paths])]))
+    )
+    worker.start()
+    refused = set()
+    while worker.is_alive():  # the host's `flock -n` on each, for the program's life
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                refused.add(p)
+            finally:
+                os.close(fd)
+        time.sleep(0.02)
+    worker.join()
+    assert not refused
+    assert out[0].values == [str([errno.EPERM] * 3)] * len(paths), out[0]
+
+
+@needs_bwrap
+def test_the_program_sees_its_own_hostname_and_writes_only_its_scratch(bare_sandbox):
+    """A fixed hostname (not the host's); the root and /dev are read-only (without root
+    the program owns those tmpfs mounts); as root each scratch tmpfs holds at most
+    Limits.scratch_inodes files (an inode's kernel memory is outside its size)."""
+    names = "import os, socket\ndef f():\n    return [socket.gethostname(), os.uname().nodename]"
+    write = (
+        "def f(path):\n    try:\n        open(path, 'w').close()\n        return 'written'\n"
+        "    except OSError as e:\n        return e.errno"
+    )
+    many = (
+        "import os\ndef f(d):\n    n = 0\n    try:\n        while n < 3000:\n"
+        "            open(os.path.join(d, 'f%d' % n), 'w').close()\n            n += 1\n"
+        "    except OSError as e:\n        return [n, e.errno]\n    return [n, 0]"
+    )
+    spots = [["/x"], ["/dev/x"], ["/work/x"], ["/tmp/x"], ["/dev/shm/x"], ["/dev/null"]]
+    out = bare_sandbox.run(
+        [Job(names, "f", [[]]), Job(write, "f", spots), Job(many, "f", [["/tmp"], ["."]])]
+    )
+    assert out[0].values == [str(["sandbox"] * 2)] and socket.gethostname() != "sandbox"
+    assert out[1].values[2:] == ["'written'"] * 4, out[1]
+    assert set(out[1].values[:2]) <= {str(errno.EROFS), str(errno.EACCES)}, out[1]
+    if ROOT_LINUX:
+        made = [eval(v) for v in out[2].values]
+        limit = FAST.scratch_inodes
+        assert all(limit - 4 <= n < limit and e == errno.ENOSPC for n, e in made), made
+    else:  # a nested user namespace owns no mount: no bound (docs/sandbox.md)
+        assert all(eval(v)[0] == 3000 for v in out[2].values), out[2]
+
+
+@needs_bwrap
 def test_a_host_unix_socket_cannot_be_reached(bare_sandbox, tmp_path):
     path = tmp_path / "host.sock"
     srv = socket.socket(socket.AF_UNIX)
