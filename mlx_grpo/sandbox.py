@@ -1,9 +1,11 @@
 """Run untrusted Python (a policy's completions) in confined, short-lived processes.
 
-`Sandbox.run(jobs)` runs each `Job` (source code, a function name, test inputs) in its
-own process, `workers` at a time, and returns one `Outcome` per job: the repr of each
-call's return value, or a named failure `reason`. The expected outputs never enter the
-sandboxed process; callers compare them (rewards/code.py).
+`Sandbox.run(jobs, deadline)` runs each `Job` (source code, a function name, test
+inputs) in its own process, `workers` at a time, and returns one `Outcome` per job: the
+repr of each call's return value, or a named failure `reason`. With a deadline each
+program's wall clock is its fair share of the time left (`Shares`), so a program that
+hangs costs its own time only. The expected outputs never enter the sandboxed process;
+callers compare them (rewards/code.py).
 
 Two isolation levels (`Sandbox(isolation=...)`):
 
@@ -12,9 +14,10 @@ Two isolation levels (`Sandbox(isolation=...)`):
   without root, user) namespaces. Its filesystem is a fresh root holding only the
   Python runtime, read-only (the interpreter, its standard library with site-packages
   hidden, the shared libraries they load), a minimal `/dev`, and private size-limited
-  tmpfs mounts at the working directory, `/tmp` and `/dev/shm`: the project tree, your
-  home, other sandboxes and the host's `/proc` do not exist inside, and everything the
-  program wrote vanishes with it. As root, bubblewrap sets this up and the program then
+  tmpfs mounts at the working directory, `/tmp` and `/dev/shm` (as root, limited in
+  files too), the only places it can write: the project tree, your home, other
+  sandboxes and the host's `/proc` do not exist inside, the hostname is `sandbox`, and
+  everything the program wrote vanishes with it. As root, bubblewrap sets this up and the program then
   drops to a slot uid of its own; without root, an unprivileged user namespace does it.
   The process dies with its parent, and RLIMIT_NPROC leaves it no room for another
   process or thread (`Limits.nproc` extra), so the job as a whole is bounded by its
