@@ -10,14 +10,15 @@ import textwrap
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from conftest import CHAT_TEMPLATE, write_byte_tokenizer
 
-from mlx_grpo.config import ConfigError, RolloutConfig
+from mlx_grpo.config import ConfigError, RolloutConfig, build_config
 from mlx_grpo.env import Episode, turn_spans
-from mlx_grpo.recipe import Recipe, Task
+from mlx_grpo.recipe import Recipe, Task, recipe_defaults
 from mlx_grpo.tools import (
     ToolEnv,
     as_tool,
@@ -428,3 +429,78 @@ def test_the_trl_example_plays_through_the_trainers_rollout_from_a_recipe_file(t
         assert f"<tool_response>\n{target}\n</tool_response>" in outside
     scored = recipe.score_rollout([task], rollout)
     assert [s.reward for s in scored] == [1.0, 1.0] and all(s.error is None for s in scored)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "tools.md"
+
+
+def _docs_recipe(tmp_path, name: str) -> Recipe:
+    """The recipe folder `name` whose files docs/tools.md shows, loaded as a run does."""
+    text = DOCS.read_text()
+    folder = tmp_path / name
+    folder.mkdir()
+    for lang, file in (("python", "tasks.py"), ("toml", "recipe.toml")):
+        block = re.search(rf"```{lang}\n# {name}/{file}\n(.*?)```", text, re.S)
+        assert block, f"docs/tools.md shows no {name}/{file}"
+        (folder / file).write_text(block.group(1))
+    cfg = build_config(recipe_defaults(str(folder)), defaults_file=folder / "recipe.toml")
+    return Recipe.from_config(cfg.recipe)
+
+
+def _play(recipe: Recipe, task: Task, policy) -> Episode:
+    """An episode of `task` with `policy(observation) -> reply`, as the rollout plays it."""
+    env = recipe.make_env(task)
+    observation = recipe.first_messages(task, env)[-1]["content"]
+    episode = Episode(env=env)
+    while not episode.done:
+        reply = policy(task, observation)
+        result = env.step(reply)
+        episode.actions.append(reply)
+        episode.results.append(result)
+        episode.done, observation = result.done, result.observation
+    return episode
+
+
+def test_the_docs_examples_train_as_shown(tmp_path):
+    """docs/tools.md's three recipes load as a run loads them and score 1 (or the
+    environment's return) on a policy that uses their tools well."""
+
+    def calc_policy(task, observation):
+        if observation.startswith("<tool_response>"):
+            return f"It is {observation.split()[1]}."
+        a, b = map(int, re.findall(r"\d+", task.messages[0]["content"]))
+        return call("multiply", a=a, b=b)
+
+    calc = _docs_recipe(tmp_path, "calc")
+    train, held_out = calc.tasks("train", 20, 0), calc.tasks("eval", 20, 0)
+    assert not {t.messages[0]["content"] for t in train} & {
+        t.messages[0]["content"] for t in held_out
+    }
+    for task in train[:3]:
+        assert calc.score(task, _play(calc, task, calc_policy)).reward == 1.0
+
+    def counter_policy(task, observation):
+        if observation.startswith("<tool_response>"):
+            return "Done."
+        return call("increment", step=_target(observation))
+
+    counter = _docs_recipe(tmp_path, "counter")
+    for task in counter.tasks("train", 3, 0):
+        assert counter.score(task, _play(counter, task, counter_policy)).reward == 1.0
+
+    bounds = {}
+
+    def guess_policy(task, observation):
+        lo, hi, last = bounds.get(task.id, (0, 9, None))
+        if observation == "higher":
+            lo = last + 1
+        elif observation == "lower":
+            hi = last - 1
+        bounds[task.id] = (lo, hi, (lo + hi) // 2)
+        return f"{(lo + hi) // 2}\n"
+
+    guess = _docs_recipe(tmp_path, "guess")
+    for task in guess.tasks("train", 3, 0):
+        episode = _play(guess, task, guess_policy)
+        assert episode.results[-1].info["terminated"]
+        assert guess.score(task, episode).reward == pytest.approx(1.0 - 0.1 * (episode.turns - 1))
