@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -195,13 +194,10 @@ def test_extraction_is_linear_in_the_completion(shape, monkeypatch):
         ast, "parse", lambda src, *a, **k: parsed.append(len(src)) or real(src, *a, **k)
     )
     text = SHAPES[shape](8000)
-    tic = time.perf_counter()
     code = code_reward.extract_code(text, "f")
-    took = time.perf_counter() - tic
     assert sum(parsed) <= (code_reward.MAX_CUTS + 1) * len(text)
     if shape in ("prose after code", "indented prose"):
         assert code == "def f(x):\n    return x" and len(parsed) == 2
-    assert took < 0.5, f"{took:.2f} s"  # 50 times the time it takes on a busy machine
 
 
 @pytest.mark.skipif(
