@@ -69,6 +69,7 @@ class GymEnv:
 
     @property
     def total(self) -> float:
+        """The episode's return: its steps' rewards summed."""
         return float(sum(self.rewards))
 
     def reset(self) -> str:

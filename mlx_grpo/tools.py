@@ -239,7 +239,8 @@ class ToolTimeout(RuntimeError):
 def run_with_deadline(fn: Callable, kwargs: dict, timeout_s: float):
     """`fn(**kwargs)` (awaited when it is a coroutine function), or ToolTimeout after
     `timeout_s`. It runs in a daemon thread: Python cannot stop a thread, so a hanging
-    tool is abandoned and costs its own call only."""
+    tool is abandoned and costs its own call only (what it does if it ever returns, to
+    an environment's state say, still happens)."""
     box: dict = {}
 
     def run():
@@ -313,6 +314,7 @@ class ToolStats:
     failures: Counter = field(default_factory=Counter)
 
     def record(self, result: ToolResult) -> None:
+        """Count one call, and its failure if it failed."""
         self.calls += 1
         if result.failure is not None:
             self.failures[(result.name, result.failure)] += 1

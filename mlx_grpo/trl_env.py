@@ -22,7 +22,8 @@ component named after the class; each reward function is called once per step wi
 `completions` (each episode's assistant and tool messages, TRL's conversational
 format), `prompts`, `environments` (one instance per completion), `task_ids` and the
 payload fields as per-completion lists, and its floats are a component named after it
-(None, TRL's "not applicable", scores 0).
+(None, TRL's "not applicable", scores 0). Rewards, `get_reward` and tools may be
+`async def`, as in TRL.
 
 Where mlx-grpo differs: GRPO compares the G episodes of a task, so they must start from
 one state. An environment that samples its task with `random` or `numpy.random` in
@@ -33,6 +34,7 @@ the same task starts alike in every run.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import inspect
 import random
@@ -57,6 +59,11 @@ def environment_tools(instance) -> list[Callable]:
         for name, member in inspect.getmembers(instance, predicate=inspect.ismethod)
         if name not in RESERVED and not name.startswith("_")
     ]
+
+
+def awaited(value):
+    """A reward's value, awaited when the function was `async def` (TRL takes both)."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
 def _seed_of(key: str) -> int:
@@ -151,12 +158,12 @@ class TRLEnvironment:
         rows: list[dict] = [{} for _ in flat]
         if self.owns_reward:
             for row, (_, ep) in zip(rows, flat):
-                row[self.name] = float(ep.env.environment.get_reward())
+                row[self.name] = float(awaited(ep.env.environment.get_reward()))
         if self.reward_funcs:
             kwargs = self._reward_kwargs(flat, self.factory is not None)
             for fn in self.reward_funcs:
                 name = getattr(fn, "__name__", "reward")
-                values = list(fn(**kwargs))
+                values = list(awaited(fn(**kwargs)))
                 if len(values) != len(flat):
                     raise ValueError(
                         f"{name}: returned {len(values)} rewards for {len(flat)} episodes"

@@ -504,3 +504,36 @@ def test_the_docs_examples_train_as_shown(tmp_path):
         episode = _play(guess, task, guess_policy)
         assert episode.results[-1].info["terminated"]
         assert guess.score(task, episode).reward == pytest.approx(1.0 - 0.1 * (episode.turns - 1))
+
+
+def test_async_tools_rewards_and_get_reward_are_awaited():
+    """TRL takes `async def` tools, reward functions and `get_reward`; so do these."""
+
+    class AsyncEnv:
+        def reset(self, **kwargs) -> str:
+            self.total = 0
+            return "Add 2 and 3."
+
+        async def get_reward(self) -> float:
+            return float(self.total == 5)
+
+        async def add(self, a: int, b: int) -> int:
+            """Add two integers.
+
+            Args:
+                a: The first.
+                b: The second.
+            """
+            self.total = a + b
+            return self.total
+
+    async def said_five(completions, **kwargs):
+        return [float("5" in c[-1]["content"]) for c in completions]
+
+    trl = TRLEnvironment(AsyncEnv, reward_funcs=[said_five])
+    task = trl.make_tasks("train", 1, 0)[0]
+    env = trl.make_env(task)
+    env.reset()
+    assert env.step(call("add", a=2, b=3)).observation == "<tool_response>\n5\n</tool_response>"
+    env.step("5")
+    assert trl.reward(task, _episode(env)) == {"AsyncEnv": 1.0, "said_five": 1.0}
