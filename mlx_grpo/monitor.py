@@ -17,6 +17,7 @@ from mlx_grpo.credit import CompletionRecord, Credit, uncompared_turns
 from mlx_grpo.procmem import descendants_bytes
 from mlx_grpo.recipe import Task
 from mlx_grpo.runstate import Counters
+from mlx_grpo.tools import ToolStats, stats_metrics
 from mlx_grpo.trackers import Trackers
 
 
@@ -76,6 +77,7 @@ def step_metrics(
     turns = [r.turns for r in records if r.turns is not None]
     if turns:
         out["episode/turns_mean"] = float(np.mean(turns))
+    out.update(tool_step_metrics(shares))
     sampled = [(r.entropy, r.tokens) for r in records if r.entropy is not None]
     if sampled:  # every sampled token of the step, whatever the loss leaves out
         h, n = np.array(sampled, dtype=np.float64).T
@@ -107,6 +109,14 @@ def step_metrics(
         out["time/sync_s"] = sync_s
     out["rollout/tokens_total"] = counters.rollout_tokens
     return out
+
+
+def tool_step_metrics(shares: list[dict]) -> dict:
+    """`tools/calls_per_episode`, `tools/failures` and `tools/fail/<tool>/<kind>` over
+    every rank's episodes (`tools.tool_metrics`), from what each shared of them
+    (`Rollout.tool_stats`, under "tools"); none for a recipe without tools."""
+    episodes = [ToolStats.from_record(r) for sh in shares for r in sh.get("tools", ())]
+    return stats_metrics(episodes)
 
 
 # Guards: entropy or KL above GUARD_FACTOR x its usual value (the median over the last

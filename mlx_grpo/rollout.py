@@ -10,13 +10,16 @@ as they are (never re-tokenised), including the stop token when there is one.
 Multi-turn episodes (`play_episodes`) run turn by turn: after each turn every live
 episode's environment answers, its observation is appended as template tokens (masked
 out of the loss), and all live episodes decode their next turn together, each on top of
-its group's shared prompt cache.
+its group's shared prompt cache. Each reply enters the sequence as the ids sampled, not
+as its text encoded again. An environment that offers tools (`prompt_tools`, a
+`tools.ToolEnv`'s) has them rendered in its episode's prompt (`episode_prompt`).
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -32,6 +35,7 @@ from mlx_grpo.config import RolloutConfig
 from mlx_grpo.decode import CompiledDecoder, supported
 from mlx_grpo.env import Env, EnvError, Episode, env_call, ill_formed, turn_spans
 from mlx_grpo.models import adapters_folded
+from mlx_grpo.tools import Tool, as_tool, episode_tool_stats, render_prompt
 
 
 @dataclass
@@ -95,14 +99,38 @@ class Rollout:
     def generated_tokens(self) -> int:
         return sum(c.model_tokens for c in self.completions)
 
+    @property
+    def tool_stats(self) -> list[dict]:
+        """Each episode's tool calls and failures (`ToolStats.as_record`), for the episodes
+        whose environment counts them (a ToolEnv's); [] for a recipe without tools."""
+        envs = [c.episode.env for c in self.completions if c.episode is not None]
+        return [s.as_record() for s in episode_tool_stats(envs)]
 
-def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
-    """Chat-template the messages; cut from the left so the generation prompt survives."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    ids = list(ids)
+
+def encode_prompt(
+    tokenizer, messages: list[dict], max_prompt_tokens: int, tools: Iterable[Tool] = ()
+) -> list[int]:
+    """Chat-template the messages, with `tools` rendered where given
+    (`tools.render_prompt`); cut from the left so the generation prompt survives."""
+    ids = render_prompt(tokenizer, messages, tools)
     return ids[-max_prompt_tokens:] if len(ids) > max_prompt_tokens else ids
+
+
+def offered_tools(env) -> list[Tool]:
+    """The tools an environment offers the model (its `prompt_tools`: Tools or
+    functions with hints and docstrings); none for an environment without them."""
+    return [as_tool(t, "prompt_tools") for t in getattr(env, "prompt_tools", None) or ()]
+
+
+def episode_prompt(tokenizer, messages: list[dict], env, max_prompt_tokens: int) -> list[int]:
+    """The prompt of an episode that starts from `messages` (`recipe.first_messages`) in
+    `env`: `encode_prompt` with the tools `env` offers. With tools, an empty first
+    observation (the task's messages ask, `reset` adds nothing) is left out rather than
+    shown as an empty user turn, which strict templates refuse after a user turn."""
+    tools = offered_tools(env)
+    if tools and messages and messages[-1] == {"role": "user", "content": ""}:
+        messages = messages[:-1]
+    return encode_prompt(tokenizer, messages, max_prompt_tokens, tools)
 
 
 def top_k_candidates(logprobs: mx.array, top_k: int, top_p: float) -> tuple[mx.array, mx.array]:
@@ -823,7 +851,10 @@ def _rollout_tasks(model, tokenizer, recipe, tasks, group_size, cfg, sampler, st
             firsts = [m for m, _ in played]
             if any(m != firsts[0] for m in firsts[1:]):
                 raise EnvError(f"env.reset() differs between runs of {task.id}")
-            prompts.append(encode_prompt(tokenizer, firsts[0], cfg.max_prompt_tokens))
+            schemas = [[t.schema for t in offered_tools(env)] for env in group]
+            if any(s != schemas[0] for s in schemas[1:]):
+                raise EnvError(f"the environments of {task.id} offer different tools")
+            prompts.append(episode_prompt(tokenizer, firsts[0], group[0], cfg.max_prompt_tokens))
             episodes += [e for _, e in played]
     except BaseException as e:
         for env in envs:

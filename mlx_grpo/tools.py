@@ -18,10 +18,11 @@ call that cannot be parsed, an unknown tool, arguments the function does not tak
 exception and a timeout each become a result the model reads (`{"error": ...}`) and a
 failure counted by tool and kind (`ToolStats`); none of them stops the run.
 
-Rendering: templates that render `tools` themselves (Qwen2.5, Hermes, Llama 3.1...) get
-them through `render_prompt`; for templates that do not (the embedded SmolLM2's),
-`tools_prompt` writes the same schemas as text in the Hermes wording, which
-`with_tools` puts in the system message. Tool results are shown as Qwen2.5's template
+Rendering: an environment offers its tools as `prompt_tools`, and the rollout encodes
+the episode's prompt with them (`render_prompt`): templates that render `tools`
+themselves (Qwen2.5, Hermes, Llama 3.1...) get them through their own `tools=`; for
+templates that do not (the embedded SmolLM2's), `tools_prompt` writes the same schemas
+as text in the Hermes wording, which `with_tools` puts in the system message. Tool results are shown as Qwen2.5's template
 shows them, inside the user turn that follows the reply:
 
     <tool_response>
@@ -55,6 +56,9 @@ FAILURE_KINDS = ("bad_call", "unknown_tool", "bad_arguments", "error", "timeout"
 
 # The name a failure is counted under when the call named no tool.
 UNNAMED = "unnamed"
+# ... and when it named a tool there is none of: a name the model made up is counted
+# under one name, not its own, so that invented names cannot add metrics without end.
+UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -313,16 +317,41 @@ class ToolStats:
     calls: int = 0
     failures: Counter = field(default_factory=Counter)
 
-    def record(self, result: ToolResult) -> None:
-        """Count one call, and its failure if it failed."""
+    def record(self, result: ToolResult, known: Iterable[str] | None = None) -> None:
+        """Count one call, and its failure if it failed; a failure naming none of the
+        `known` tools (when given) is counted under UNKNOWN."""
         self.calls += 1
         if result.failure is not None:
-            self.failures[(result.name, result.failure)] += 1
+            name = result.name
+            if known is not None and name not in known and name != UNNAMED:
+                name = UNKNOWN
+            self.failures[(name, result.failure)] += 1
+
+    def as_record(self) -> dict:
+        """The counts as JSON (what ranks exchange): `{"calls": n, "failures":
+        {"<tool>/<kind>": n}}`."""
+        failures = {f"{name}/{kind}": n for (name, kind), n in sorted(self.failures.items())}
+        return {"calls": self.calls, "failures": failures}
+
+    @classmethod
+    def from_record(cls, record: dict) -> ToolStats:
+        """The inverse of `as_record`."""
+        failures = Counter()
+        for key, n in record["failures"].items():
+            name, kind = key.rsplit("/", 1)
+            failures[(name, kind)] += n
+        return cls(record["calls"], failures)
 
     def __iadd__(self, other: ToolStats) -> ToolStats:
         self.calls += other.calls
         self.failures.update(other.failures)
         return self
+
+
+def episode_tool_stats(envs: Iterable) -> list[ToolStats]:
+    """The `tool_stats` of each environment that has them (a ToolEnv's), in order."""
+    stats = (getattr(env, "tool_stats", None) for env in envs)
+    return [s for s in stats if isinstance(s, ToolStats)]
 
 
 def tool_metrics(envs: Iterable) -> dict[str, float]:
@@ -332,18 +361,21 @@ def tool_metrics(envs: Iterable) -> dict[str, float]:
     >>> env = ToolEnv([])
     >>> _ = env.reset(); _ = env.step('<tool_call>{"name": "nope"}</tool_call>')
     >>> tool_metrics([env])
-    {'tools/calls_per_episode': 1.0, 'tools/failures': 1.0, 'tools/fail/nope/unknown_tool': 1.0}
+    {'tools/calls_per_episode': 1.0, 'tools/failures': 1.0, 'tools/fail/unknown/unknown_tool': 1.0}
     """
-    total, episodes = ToolStats(), 0
-    for env in envs:
-        stats = getattr(env, "tool_stats", None)
-        if isinstance(stats, ToolStats):
-            total += stats
-            episodes += 1
-    if not episodes:
+    return stats_metrics(episode_tool_stats(envs))
+
+
+def stats_metrics(episodes: Iterable[ToolStats]) -> dict[str, float]:
+    """`tool_metrics` from the ToolStats of each episode ({} for none)."""
+    total, count = ToolStats(), 0
+    for stats in episodes:
+        total += stats
+        count += 1
+    if not count:
         return {}
     out = {
-        "tools/calls_per_episode": total.calls / episodes,
+        "tools/calls_per_episode": total.calls / count,
         "tools/failures": float(sum(total.failures.values())),
     }
     for (name, kind), n in sorted(total.failures.items()):
@@ -354,9 +386,11 @@ def tool_metrics(envs: Iterable) -> dict[str, float]:
 class ToolEnv:
     """An environment (mlx_grpo/env.py's protocol) whose actions are tool calls.
 
-    `reset()` gives the tools (`tools_prompt`, unless `announce` is False because the
-    prompt renders them already) and the first observation of `start()` when given.
-    Each reply's calls run in order, each within `timeout_s`; their results are the
+    `prompt_tools` are the tools the rollout renders in the episode's prompt
+    (`rollout.episode_prompt`: the chat template's own `tools=` where it writes them,
+    else the system message); none when `announce` is False because the task's messages
+    describe them already. `reset()` gives the first observation of `start()` when
+    given, else "" (the task's messages ask). Each reply's calls run in order, each within `timeout_s`; their results are the
     next observation. A reply without a call is the answer and ends the episode
     (`answer`). `messages` holds the episode as chat messages (assistant replies with
     their `tool_calls`, then `tool` messages), the shape TRL's rewards read;
@@ -383,14 +417,16 @@ class ToolEnv:
         self.tool_stats = ToolStats()
         self.answer: str | None = None
 
+    @property
+    def prompt_tools(self) -> list[Tool]:
+        """The tools the prompt shows the model (none unless `announce`)."""
+        return list(self.tools.values()) if self.announce else []
+
     def reset(self) -> str:
-        """The tools (when announced) and the start's observation."""
+        """The start's observation ("" without one)."""
         self._clear()
-        parts = [tools_prompt(self.tools.values())] if self.announce and self.tools else []
         observation = self.start() if self.start is not None else None
-        if observation:
-            parts.append(str(observation))
-        self.first_observation = "\n\n".join(parts)
+        self.first_observation = str(observation) if observation else ""
         return self.first_observation
 
     def step(self, action: str) -> StepResult:
@@ -403,7 +439,7 @@ class ToolEnv:
             return StepResult("", True, {"tool_calls": 0})
         results = [call_tool(c, self.tools, self.timeout_s) for c in calls]
         for r in results:
-            self.tool_stats.record(r)
+            self.tool_stats.record(r, self.tools)
         self.messages.append(
             {
                 "role": "assistant",

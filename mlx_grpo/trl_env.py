@@ -85,6 +85,14 @@ def seeded_globals(key: str):
         np.random.set_state(np_state)
 
 
+def _prompt(task: Task, first_observation: str) -> list[dict]:
+    """An episode's prompt messages as TRL passes `prompts`: the task's, then `reset`'s
+    string where it gave one (the tools are the template's, not a message)."""
+    if not first_observation:
+        return list(task.messages)
+    return [*task.messages, {"role": "user", "content": first_observation}]
+
+
 class TRLEnvironment:
     """A recipe's `make_tasks`, `make_env`, `reward` and `reward_batch` from TRL's
     `environment_factory` (None: tools only), `tools` and `reward_funcs`."""
@@ -185,10 +193,7 @@ class TRLEnvironment:
         keys = sorted({k for t, _ in flat for k in t.payload})
         kwargs = {
             "completions": [ep.env.messages for _, ep in flat],
-            "prompts": [
-                [*t.messages, {"role": "user", "content": ep.env.first_observation}]
-                for t, ep in flat
-            ],
+            "prompts": [_prompt(t, ep.env.first_observation) for t, ep in flat],
             "task_ids": [t.id for t, _ in flat],
             **{k: [t.payload.get(k) for t, _ in flat] for k in keys},
         }
