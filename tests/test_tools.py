@@ -540,3 +540,193 @@ def test_async_tools_rewards_and_get_reward_are_awaited():
     assert env.step(call("add", a=2, b=3)).observation == "<tool_response>\n5\n</tool_response>"
     env.step("5")
     assert trl.reward(task, _episode(env)) == {"AsyncEnv": 1.0, "said_five": 1.0}
+
+
+def _first_messages(task: Task, env) -> list[dict]:
+    """The prompt's messages as `Recipe.first_messages` makes them."""
+    return [*task.messages, {"role": "user", "content": env.reset()}]
+
+
+def test_a_tool_envs_prompt_renders_its_tools_by_the_template_else_in_the_system_message(
+    tmp_path,
+):
+    """The rollout's prompt of a tools_env episode: the template's own `tools=` where it
+    writes them (no Hermes text), else the Hermes text in the system message; the empty
+    first observation is no empty user turn. With announce=False the tools are left to
+    the task's messages."""
+    from mlx_grpo.rollout import episode_prompt
+    from mlx_grpo.tools import tools_env
+
+    question = [{"role": "user", "content": "What is 6 times 7?"}]
+    task = Task("q", 1, question)
+    schema = json.dumps(as_tool(multiply).schema)
+    env = tools_env([multiply])(task)
+    own = _tokenizer(tmp_path, QWEN_LIKE)
+    ids = episode_prompt(own, _first_messages(task, env), env, 4096)
+    assert ids == render_prompt(own, question, [as_tool(multiply)])
+    assert f"<tools>{schema}</tools>" in own.decode(ids) and "# Tools" not in own.decode(ids)
+    plain = _tokenizer(tmp_path, CHAT_TEMPLATE)
+    text = plain.decode(episode_prompt(plain, _first_messages(task, env), env, 4096))
+    assert text.startswith("<|im_start|>system\n# Tools") and schema in text
+    assert text.endswith("<|im_start|>user\nWhat is 6 times 7?<|im_end|>\n<|im_start|>assistant\n")
+    quiet = tools_env([multiply], announce=False)(task)
+    text = plain.decode(episode_prompt(plain, _first_messages(task, quiet), quiet, 4096))
+    assert "<tools>" not in text and "<|im_start|>user\n<|im_end|>" in text  # as before
+
+
+def _eos_only(tok):
+    def sampler(logprobs):
+        return mx.full((logprobs.shape[0],), tok.eos_token_id, dtype=mx.uint32)
+
+    return sampler
+
+
+def test_recipes_without_tools_keep_their_prompts_byte_for_byte(tiny):
+    """A recipe whose environment offers no tools (web_browsing, multi-turn) and a
+    single-turn one (arithmetic) are prompted as before tools were rendered: the chat
+    template of their first messages, nothing added or left out."""
+    from mlx_grpo.rollout import rollout_tasks
+
+    model, tok = tiny
+    cfg = RolloutConfig(max_new_tokens=1, max_turns=1, max_prompt_tokens=4096)
+    for name in ("arithmetic", "web_browsing"):
+        recipe = Recipe.from_config(build_config(recipe_defaults(name)).recipe)
+        tasks = recipe.tasks("train", 2, 0)
+        rollout = rollout_tasks(model, tok, recipe, tasks, 2, cfg, sampler=_eos_only(tok))
+        for task, prompt in zip(tasks, rollout.prompts):
+            env = recipe.make_env(task) if recipe.multi_turn else None
+            before = tok.apply_chat_template(
+                recipe.first_messages(task, env), add_generation_prompt=True, tokenize=True
+            )
+            assert prompt == list(before), name
+        assert rollout.tool_stats == []
+
+
+def _turn_scripted(script: list[list[int]], eos: int, group_size: int, steps: dict):
+    """A sampler that draws `script[k]` in turn k of every episode (then EOS: the draws
+    past a turn's end, which the generator drops); the turn is told by the
+    environments' steps so far (`steps["n"]`, G a turn)."""
+    pos = {"turn": 0, "n": 0}
+
+    def sampler(logprobs):
+        turn = steps["n"] // group_size
+        if turn != pos["turn"]:
+            pos.update(turn=turn, n=0)
+        ids = script[turn] if turn < len(script) else []
+        token = ids[pos["n"]] if pos["n"] < len(ids) else eos
+        pos["n"] += 1
+        return mx.full((logprobs.shape[0],), token, dtype=mx.uint32)
+
+    return sampler
+
+
+class StepCounting(ToolEnv):
+    def __init__(self, tools, steps: dict):
+        super().__init__(tools)
+        self.steps = steps
+
+    def step(self, action):
+        self.steps["n"] += 1
+        return super().step(action)
+
+
+def _play_scripted(model, tok, script: list[list[int]], group_size: int = 2):
+    """A rollout of `group_size` ToolEnv episodes over [multiply] whose replies are
+    `script`'s ids, one reply a turn, through the trainer's `play_episodes`."""
+    from mlx_grpo.rollout import episode_prompt, play_episodes
+
+    steps = {"n": 0}
+    task = Task("q", 1, [{"role": "user", "content": "What is 6 times 7?"}])
+    envs = [StepCounting([multiply], steps) for _ in range(group_size)]
+    prompt = episode_prompt(tok, _first_messages(task, envs[0]), envs[0], 4096)
+    for env in envs[1:]:
+        env.reset()
+    cfg = RolloutConfig(max_new_tokens=max(map(len, script)), max_turns=len(script) + 1)
+    sampler = _turn_scripted(script, tok.eos_token_id, group_size, steps)
+    return play_episodes(model, tok, [prompt], envs, group_size, cfg, sampler)
+
+
+def test_trained_ids_are_the_sampled_ids_where_their_text_would_tokenize_otherwise(tiny):
+    """Two turns whose sampled ids do not survive decode and encode: a byte that is no
+    UTF-8 alone (found by searching the vocabulary for ids whose round trip differs;
+    its text is U+FFFD, three other bytes) before a tool call, then '<|im_end|>' spelled
+    in byte tokens (its text encodes as the one special token). The tokens the update
+    trains (`build_loss_inputs`, under the mask) are the ids sampled, turn by turn."""
+    from mlx_grpo.update import build_loss_inputs
+
+    model, tok = tiny
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    special = set(tok.all_special_ids)
+    odd = [
+        i for i in range(len(tok.get_vocab())) if i not in special and enc(tok.decode([i])) != [i]
+    ]
+    assert odd, "the test tokenizer has no id whose text encodes otherwise"
+    spelled = [enc(ch)[0] for ch in "<|im_end|>"]
+    assert enc(tok.decode(spelled)) == [tok.eos_token_id] != spelled
+    eos = tok.eos_token_id
+    script = [
+        [*enc("Hm "), odd[0], *enc(" " + call("multiply", a=6, b=7)), eos],
+        [*spelled, *enc("42"), eos],
+    ]
+    rollout = _play_scripted(model, tok, script)
+    batch = build_loss_inputs(rollout, mx.ones(len(rollout.completions)), 64, False, fold=False)
+    tokens, mask = batch.completions.tolist(), batch.mask.tolist()
+    for row, c in enumerate(rollout.completions):
+        assert c.episode.done and c.episode.results[0].observation == (
+            "<tool_response>\n42\n</tool_response>"
+        )
+        for text, ids in zip(c.episode.actions, script):
+            assert enc(text) != ids[:-1]  # the text alone would train other ids
+        trained = [t for t, m in zip(tokens[row], mask[row]) if m > 0]
+        assert trained == script[0] + script[1]
+        assert [c.tokens[a:b] for a, b in turn_spans(c.loss_mask)] == script
+
+
+def test_tool_calls_and_failures_reach_the_steps_metrics(tiny):
+    """A scripted rollout whose episodes each call `multiply` well, with an argument it
+    does not take, and a tool that does not exist, then answer: every rank's share of
+    it (as JSON, as ranks exchange them) gives the step's `tools/` metrics, summed over
+    ranks; a step without tools has none."""
+    import numpy as np
+
+    from mlx_grpo.credit import CompletionRecord, share_record
+    from mlx_grpo.monitor import step_metrics
+    from mlx_grpo.recipe import Scored
+
+    model, tok = tiny
+    eos = tok.eos_token_id
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    calls = call("multiply", a=6, b=7) + call("multiply", a=6, c=7) + call("divide", a=6)
+    rollout = _play_scripted(model, tok, [[*enc(calls), eos], [*enc("42"), eos]], group_size=3)
+    assert (
+        rollout.tool_stats
+        == [{"calls": 3, "failures": {"multiply/bad_arguments": 1, "unknown/unknown_tool": 1}}] * 3
+    )
+    scored = [Scored(1.0, {"correct": 1.0})] * 3
+
+    def metrics(shares):
+        shares = json.loads(json.dumps(shares))
+        records = [CompletionRecord(**r) for sh in shares for r in sh["records"]]
+        rewards = np.ones(len(records))
+        zero_var = np.ones(len(records) // 3, dtype=bool)
+        return step_metrics(1, shares, records, rewards, mx.zeros(len(records)), zero_var, [])
+
+    share = {**share_record(rollout, scored, False), "tools": rollout.tool_stats}
+    one = {k: v for k, v in metrics([share]).items() if k.startswith("tools/")}
+    assert one == {
+        "tools/calls_per_episode": 3.0,
+        "tools/failures": 6.0,
+        "tools/fail/multiply/bad_arguments": 3.0,
+        "tools/fail/unknown/unknown_tool": 3.0,
+    }
+    two = metrics([share, share])  # two ranks
+    assert two["tools/calls_per_episode"] == 3.0 and two["tools/failures"] == 12.0
+    assert two["tools/fail/unknown/unknown_tool"] == 6.0
+    plain = {**share_record(rollout, scored, False), "tools": []}
+    assert not [k for k in metrics([plain]) if k.startswith("tools/")]
