@@ -169,7 +169,8 @@ RECIPE = GUESS_ENV + textwrap.dedent(
 
 def test_a_recipe_files_gym_env_plays_through_the_trainers_rollout(tiny, tmp_path):
     """The tiny model, its every token scripted to '5' with one token a turn, plays the
-    guessing game for three turns: the reward is the environment's rewards summed."""
+    guessing game for three turns: the reward is the environment's rewards summed. Its
+    prompts are the template's of its first messages, as before tools were rendered."""
     model, tok = tiny
     folder = tmp_path / "guess"
     folder.mkdir()
@@ -186,6 +187,10 @@ def test_a_recipe_files_gym_env_plays_through_the_trainers_rollout(tiny, tmp_pat
 
     cfg = RolloutConfig(max_new_tokens=1, max_turns=3)
     rollout = rollout_tasks(model, tok, recipe, tasks, 2, cfg, sampler=always_five)
+    for task, prompt in zip(tasks, rollout.prompts):  # no tools: the template's prompt alone
+        first = recipe.first_messages(task, recipe.make_env(task))
+        assert prompt == list(tok.apply_chat_template(first, add_generation_prompt=True))
+    assert rollout.tool_stats == []
     scored = recipe.score_rollout(tasks, rollout)
     for c, s in zip(rollout.completions, scored):
         env = recipe.make_env(tasks[c.prompt_index])

@@ -394,6 +394,7 @@ RECIPE = TRL_INCREMENT_ENV + textwrap.dedent(
 def test_the_trl_example_plays_through_the_trainers_rollout_from_a_recipe_file(tiny, tmp_path):
     """A recipe file holding TRL's class plays real episodes with the tiny model, the
     model's tokens scripted: a call to `increment` by the target, then an answer. The
+    prompt describes the tool (in the system message: the template has no `tools`). The
     tool's answer is in the sequence but not in the loss, the trained ids are the ids
     sampled, and `get_reward` scores both episodes 1."""
     model, tok = tiny
@@ -422,6 +423,10 @@ def test_the_trl_example_plays_through_the_trainers_rollout_from_a_recipe_file(t
 
     cfg = RolloutConfig(max_new_tokens=len(first), max_turns=3, max_prompt_tokens=2048)
     rollout = rollout_tasks(model, tok, recipe, [task], 2, cfg, sampler=scripted)
+    prompt = tok.decode(rollout.prompts[0])  # (the tiny template renders no tools itself)
+    assert prompt.startswith("<|im_start|>system\n# Tools") and '"name": "increment"' in prompt
+    asked = f"<|im_start|>user\nIncrement the counter by {target}.<|im_end|>\n"
+    assert prompt.endswith(asked + "<|im_start|>assistant\n")
     for c in rollout.completions:
         call_text, answer = c.episode.actions
         assert call_text == call("increment", step=target) and re.fullmatch("x+", answer)
