@@ -126,10 +126,11 @@ def episode_prompt(tokenizer, messages: list[dict], env, max_prompt_tokens: int)
     """The prompt of an episode that starts from `messages` (`recipe.first_messages`) in
     `env`: `encode_prompt` with the tools `env` offers. With tools, an empty first
     observation (the task's messages ask, `reset` adds nothing) is left out rather than
-    shown as an empty user turn, which strict templates refuse after a user turn."""
+    shown as an empty user turn, which strict templates refuse after a user turn (also
+    where demonstrated turns follow it, `rollout_tasks`' `starts`)."""
     tools = offered_tools(env)
-    if tools and messages and messages[-1] == {"role": "user", "content": ""}:
-        messages = messages[:-1]
+    if tools:
+        messages = [m for m in messages if m != {"role": "user", "content": ""}]
     return encode_prompt(tokenizer, messages, max_prompt_tokens, tools)
 
 
