@@ -186,8 +186,8 @@ class CreditConfig(_Section):
     )
     blame_replies: Literal["all", "compared"] = Field(
         "all",
-        description="Multi-turn replies that an episode of negative advantage pushes down: 'all', "
-        "or 'compared' (only from states a better episode played on from, and ill-formed ones).",
+        description="Multi-turn replies a below-average episode pushes down: 'all', or 'compared' "
+        "(those from states a better episode played on from, and ill-formed ones).",
     )
     skip_zero_variance_groups: bool = Field(
         True,
