@@ -100,6 +100,7 @@ def share_record(rollout: Rollout, scored: list[Scored], with_text: bool) -> dic
         "seconds": rollout.seconds,
         "env_seconds": rollout.env_seconds,
         "shared_tail_tokens": rollout.shared_tail_tokens,
+        "tools": rollout.tool_stats,  # [] without tools; waves and ranks concatenate
     }
 
 

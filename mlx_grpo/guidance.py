@@ -24,7 +24,7 @@ from mlx_grpo.rollout import (
     Rollout,
     TurnTemplate,
     close_env,
-    encode_prompt,
+    episode_prompt,
     take_turn,
 )
 
@@ -55,7 +55,7 @@ def demonstration(
     env = recipe.make_env(task)
     try:
         first = recipe.first_messages(task, env)
-        if encode_prompt(tokenizer, first, cfg.max_prompt_tokens) != prompt:
+        if episode_prompt(tokenizer, first, env, cfg.max_prompt_tokens) != prompt:
             raise ValueError(f"recipe {recipe.name}: env.reset() differs between runs of {task.id}")
         episode, history, mask = Episode(env=env), [], []
         template, reason, observation = TurnTemplate(tokenizer), "length", first[-1]["content"]

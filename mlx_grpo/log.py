@@ -44,6 +44,8 @@ KEY_METRICS = (
     "episode/turns_mean",
     "turns/withheld",
     "episodes/ended_ill_formed",
+    "tools/calls_per_episode",
+    "tools/failures",
     "curriculum/max_level",
     "curriculum/replay_frac",
     "curriculum/score_mean",

@@ -36,7 +36,7 @@ from mlx_grpo.grpo import LossInputs
 from mlx_grpo.guidance import demonstration
 from mlx_grpo.logprobs import completion_logprobs
 from mlx_grpo.recipe import Recipe, Task
-from mlx_grpo.rollout import Completion, Rollout, close_env, encode_prompt
+from mlx_grpo.rollout import Completion, Rollout, close_env, encode_prompt, episode_prompt
 from mlx_grpo.update import apply_update, build_loss_inputs, policy_gradient
 
 
@@ -47,7 +47,7 @@ def first_prompt(recipe: Recipe, tokenizer, task: Task, max_prompt_tokens: int) 
         return encode_prompt(tokenizer, task.messages, max_prompt_tokens)
     env = recipe.make_env(task)
     try:
-        return encode_prompt(tokenizer, recipe.first_messages(task, env), max_prompt_tokens)
+        return episode_prompt(tokenizer, recipe.first_messages(task, env), env, max_prompt_tokens)
     finally:
         close_env(env)
 

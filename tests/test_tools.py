@@ -437,6 +437,10 @@ def test_the_trl_example_plays_through_the_trainers_rollout_from_a_recipe_file(t
         assert f"<tool_response>\n{target}\n</tool_response>" in outside
     scored = recipe.score_rollout([task], rollout)
     assert [s.reward for s in scored] == [1.0, 1.0] and all(s.error is None for s in scored)
+    # The warm start and guidance start a demonstration from the prompt the group samples.
+    from mlx_grpo.warmstart import first_prompt
+
+    assert first_prompt(recipe, tok, task, cfg.max_prompt_tokens) == rollout.prompts[0]
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "tools.md"
@@ -722,7 +726,8 @@ def test_tool_calls_and_failures_reach_the_steps_metrics(tiny):
         zero_var = np.ones(len(records) // 3, dtype=bool)
         return step_metrics(1, shares, records, rewards, mx.zeros(len(records)), zero_var, [])
 
-    share = {**share_record(rollout, scored, False), "tools": rollout.tool_stats}
+    share = share_record(rollout, scored, False)  # what the trainer shares
+    assert share["tools"] == rollout.tool_stats
     one = {k: v for k, v in metrics([share]).items() if k.startswith("tools/")}
     assert one == {
         "tools/calls_per_episode": 3.0,
