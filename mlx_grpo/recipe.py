@@ -331,10 +331,10 @@ def warn_batch_timeout(recipe: str, what: str, n: int, timeout_s: float) -> None
     )
 
 
-def bounded(call: Callable[[], Any], timeout_s: float, what: str):
-    """`call()`'s result, or RewardTimeout after `timeout_s` seconds. The call runs in a
-    daemon thread, which is abandoned on timeout (Python cannot stop a thread; it no
-    longer holds up the run)."""
+def bounded(call: Callable[[], Any], timeout_s: float, what: str, late: Exception | None = None):
+    """`call()`'s result, or `late` (default: RewardTimeout) raised after `timeout_s`
+    seconds. The call runs in a daemon thread, which is abandoned on timeout (Python
+    cannot stop a thread; it no longer holds up the run). Rewards and tools use it."""
     box: dict = {}
 
     def run():
@@ -343,11 +343,13 @@ def bounded(call: Callable[[], Any], timeout_s: float, what: str):
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
 
-    worker = threading.Thread(target=run, daemon=True, name=f"reward {what}")
+    worker = threading.Thread(target=run, daemon=True, name=what)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        raise RewardTimeout(f"{what}: no result after {timeout_s:g} s (recipe.reward_timeout_s)")
+        raise late or RewardTimeout(
+            f"{what}: no result after {timeout_s:g} s (recipe.reward_timeout_s)"
+        )
     if "error" in box:
         raise box["error"]
     return box["value"]

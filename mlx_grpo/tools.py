@@ -36,7 +36,6 @@ import asyncio
 import inspect
 import json
 import re
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from typing import Any
 
 from mlx_grpo.config import ConfigError
 from mlx_grpo.env import StepResult
-from mlx_grpo.recipe import first_line
+from mlx_grpo.recipe import bounded, first_line
 
 # Why a call failed, as counted in `ToolStats.failures`:
 #   bad_call      the <tool_call> body is not JSON {"name": str, "arguments": {...}}
@@ -242,26 +241,16 @@ class ToolTimeout(RuntimeError):
 
 def run_with_deadline(fn: Callable, kwargs: dict, timeout_s: float):
     """`fn(**kwargs)` (awaited when it is a coroutine function), or ToolTimeout after
-    `timeout_s`. It runs in a daemon thread: Python cannot stop a thread, so a hanging
-    tool is abandoned and costs its own call only (what it does if it ever returns, to
-    an environment's state say, still happens)."""
-    box: dict = {}
+    `timeout_s`. It runs in a daemon thread (`recipe.bounded`): Python cannot stop a
+    thread, so a hanging tool is abandoned and costs its own call only (what it does if
+    it ever returns, to an environment's state say, still happens)."""
 
-    def run():
-        try:
-            value = fn(**kwargs)
-            box["value"] = asyncio.run(value) if inspect.iscoroutine(value) else value
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
+    def call():
+        value = fn(**kwargs)
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
 
-    worker = threading.Thread(target=run, daemon=True, name=f"tool {getattr(fn, '__name__', fn)}")
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise ToolTimeout(f"no result after {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    name = f"tool {getattr(fn, '__name__', fn)}"
+    return bounded(call, timeout_s, name, ToolTimeout(f"no result after {timeout_s:g} s"))
 
 
 def as_content(value: Any) -> str:
