@@ -102,6 +102,18 @@ REMOVED_AT_DEFAULTS = {
 }
 
 
+def recipe_folder(parent: Path, name: str, tasks_py: str, **files: str) -> Path:
+    """A recipe folder `parent/name` with an empty `[recipe]` recipe.toml, `tasks_py` as
+    its tasks.py, and `files` (file name -> text) beside them."""
+    folder = parent / name
+    folder.mkdir()
+    (folder / "recipe.toml").write_text("[recipe]\n")
+    (folder / "tasks.py").write_text(tasks_py)
+    for file, text in files.items():
+        (folder / file).write_text(text)
+    return folder
+
+
 def cut_back(run: Path, copy: Path, step: int) -> Path:
     """`copy`: the run folder `run` as a kill right after step `step`'s checkpoint
     leaves it (later step folders gone, `latest` at step `step`); the logs stay whole,

@@ -14,6 +14,7 @@ import pytest
 gymnasium = pytest.importorskip(
     "gymnasium", reason="gymnasium is not installed (the miniwob dependency brings it)"
 )
+from conftest import recipe_folder  # noqa: E402
 from gymnasium import spaces  # noqa: E402
 
 from mlx_grpo.config import RolloutConfig  # noqa: E402
@@ -172,10 +173,7 @@ def test_a_recipe_files_gym_env_plays_through_the_trainers_rollout(tiny, tmp_pat
     guessing game for three turns: the reward is the environment's rewards summed. Its
     prompts are the template's of its first messages, as before tools were rendered."""
     model, tok = tiny
-    folder = tmp_path / "guess"
-    folder.mkdir()
-    (folder / "recipe.toml").write_text("[recipe]\n")
-    (folder / "tasks.py").write_text(RECIPE)
+    folder = recipe_folder(tmp_path, "guess", RECIPE)
     recipe = Recipe(str(folder), {"return": 1.0}, {})
     tasks = recipe.tasks("train", 3, 0)
     five = tok.encode("5", add_special_tokens=False)[0]

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from conftest import recipe_folder
 
 import mlx_grpo.sandbox as sandbox_module
 import rewards.code as code_reward
@@ -123,11 +124,7 @@ SLOW_TRL = "import time\ndef slow(completions, **kwargs):\n    time.sleep(3)\n  
 
 
 def test_a_batch_reward_that_times_out_as_a_whole_says_so_once(tmp_path, capsys):
-    folder = tmp_path / "slowbatch"
-    folder.mkdir()
-    (folder / "recipe.toml").write_text("[recipe]\n")
-    (folder / "tasks.py").write_text(SLOW)
-    (folder / "trl.py").write_text(SLOW_TRL)
+    folder = recipe_folder(tmp_path, "slowbatch", SLOW, **{"trl.py": SLOW_TRL})
     recipe = Recipe(
         str(folder), {"r": 1.0, "slow": 1.0}, {}, {"slow": "trl.py:slow"}, reward_timeout_s=0.3
     )

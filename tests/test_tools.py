@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import CHAT_TEMPLATE, write_byte_tokenizer
+from conftest import CHAT_TEMPLATE, recipe_folder, write_byte_tokenizer
 
 from mlx_grpo.config import ConfigError, RolloutConfig, build_config
 from mlx_grpo.env import Episode, turn_spans
@@ -398,10 +398,7 @@ def test_the_trl_example_plays_through_the_trainers_rollout_from_a_recipe_file(t
     tool's answer is in the sequence but not in the loss, the trained ids are the ids
     sampled, and `get_reward` scores both episodes 1."""
     model, tok = tiny
-    folder = tmp_path / "counter"
-    folder.mkdir()
-    (folder / "recipe.toml").write_text("[recipe]\n")
-    (folder / "tasks.py").write_text(RECIPE)
+    folder = recipe_folder(tmp_path, "counter", RECIPE)
     recipe = Recipe(str(folder), {"IncrementEnv": 1.0}, {})
     assert recipe.multi_turn
     (task,) = recipe.tasks("train", 1, 0)
